@@ -1,0 +1,364 @@
+"""Drafting from suffix trees: the global cache of earlier responses and the
+lifecycle of each request (start, draft, commit, finish).
+
+One :class:`SuffixDrafter` owns arctic-inference ``SuffixDecodingCache``
+objects (one per isolation scope; a single one unless a server partitions the
+cache per user). Each active request also drafts from its own prompt and
+output so far.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import tempfile
+import threading
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
+
+from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+DEFAULT_NUM_DRAFT_TOKENS = 16
+DEFAULT_MAX_TREE_DEPTH = 64
+DEFAULT_MAX_CACHED_REQUESTS = 10_000
+DEFAULT_MAX_CACHED_TOKENS = 4_000_000
+DEFAULT_MAX_SPEC_FACTOR = 1.0
+DEFAULT_MAX_SPEC_OFFSET = 0.0
+DEFAULT_MIN_TOKEN_PROB = 0.1
+
+CACHE_FILE_VERSION = 1
+
+
+@dataclass
+class Draft:
+    """Draft tokens and the suffix tree's probability estimate for each."""
+
+    tokens: List[int] = field(default_factory=list)
+    probs: List[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def truncate(self, n: int) -> "Draft":
+        return Draft(self.tokens[:n], self.probs[:n])
+
+
+@dataclass
+class DraftStats:
+    """Cumulative counters. A *step* is one forward of the target model."""
+
+    requests: int = 0
+    steps: int = 0
+    draft_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    tokens: int = 0
+
+    def as_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d["acceptance_rate"] = self.accepted / self.drafted if self.drafted else 0.0
+        d["tokens_per_step"] = self.tokens / self.steps if self.steps else 0.0
+        return d
+
+
+@dataclass
+class _Request:
+    scope: Hashable
+    context: List[int]
+    response_len: int = 0
+
+
+def _positive_int(name: str, value: Any, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return value
+
+
+def _number(name: str, value: Any, lo: float, hi: Optional[float] = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        rng = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be {rng}, got {value}")
+    return float(value)
+
+
+class SuffixDrafter:
+    """Drafts continuations from suffix trees of the prompt and of earlier
+    responses (SuffixDecoding, arXiv 2411.04975).
+
+    Pass an instance as ``draft_model`` to ``mlx_lm.stream_generate`` or
+    ``mlx_lm.generate``. Reuse the instance across calls: finished responses
+    stay in its global cache and later requests draft from them.
+
+    Args:
+        num_draft_tokens: Most tokens drafted per step.
+        max_tree_depth: Depth of the suffix trees; also the longest context
+            matched. A draft is at most about ``depth * f / (1 + f)`` tokens
+            long, with ``f = max_spec_factor``.
+        max_cached_requests: Responses kept in the global cache (oldest
+            evicted first). ``0`` disables the global cache.
+        max_cached_tokens: Total tokens of cached responses kept.
+        max_spec_factor, max_spec_offset: A draft is at most
+            ``match_length * max_spec_factor + max_spec_offset`` tokens.
+        min_token_prob: Stop a draft at the first token whose estimated
+            probability is below this.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+        max_tree_depth: int = DEFAULT_MAX_TREE_DEPTH,
+        max_cached_requests: int = DEFAULT_MAX_CACHED_REQUESTS,
+        max_cached_tokens: int = DEFAULT_MAX_CACHED_TOKENS,
+        max_spec_factor: float = DEFAULT_MAX_SPEC_FACTOR,
+        max_spec_offset: float = DEFAULT_MAX_SPEC_OFFSET,
+        min_token_prob: float = DEFAULT_MIN_TOKEN_PROB,
+    ):
+        self.num_draft_tokens = _positive_int(
+            "num_draft_tokens", num_draft_tokens, allow_zero=True
+        )
+        self.max_tree_depth = _positive_int("max_tree_depth", max_tree_depth)
+        self.max_cached_requests = _positive_int(
+            "max_cached_requests", max_cached_requests, allow_zero=True
+        )
+        self.max_cached_tokens = _positive_int(
+            "max_cached_tokens", max_cached_tokens, allow_zero=True
+        )
+        self.max_spec_factor = _number("max_spec_factor", max_spec_factor, 0.0)
+        self.max_spec_offset = _number("max_spec_offset", max_spec_offset, -1e9)
+        self.min_token_prob = _number("min_token_prob", min_token_prob, 0.0, 1.0)
+
+        self.stats = DraftStats()
+        self._lock = threading.RLock()
+        self._ids = itertools.count()
+        self._caches: Dict[Hashable, SuffixDecodingCache] = {}
+        self._active: Dict[int, _Request] = {}
+        # FIFO of cached responses: req_id -> (scope, tokens)
+        self._cached: "OrderedDict[int, Tuple[Hashable, List[int]]]" = OrderedDict()
+        self._cached_tokens = 0
+        # Responses of active requests, kept to move them into _cached.
+        self._responses: Dict[int, List[int]] = {}
+
+    # ------------------------------------------------------------------ state
+    @property
+    def active_requests(self) -> int:
+        return len(self._active)
+
+    @property
+    def cached_requests(self) -> int:
+        return len(self._cached)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._cached_tokens
+
+    def config(self) -> Dict[str, Any]:
+        """The drafter's knobs as a dict (JSON-serialisable)."""
+        return {
+            "num_draft_tokens": self.num_draft_tokens,
+            "max_tree_depth": self.max_tree_depth,
+            "max_cached_requests": self.max_cached_requests,
+            "max_cached_tokens": self.max_cached_tokens,
+            "max_spec_factor": self.max_spec_factor,
+            "max_spec_offset": self.max_spec_offset,
+            "min_token_prob": self.min_token_prob,
+        }
+
+    def snapshot(self) -> Dict[str, Any]:
+        """Stats plus cache occupancy, for logs and the server's stats endpoint."""
+        with self._lock:
+            d = self.stats.as_dict()
+            d.update(
+                active_requests=self.active_requests,
+                cached_requests=self.cached_requests,
+                cached_tokens=self.cached_tokens,
+            )
+            return d
+
+    def _cache(self, scope: Hashable) -> SuffixDecodingCache:
+        cache = self._caches.get(scope)
+        if cache is None:
+            n = -1 if self.max_cached_requests > 0 else 0
+            cache = SuffixDecodingCache(self.max_tree_depth, max_cached_requests=n)
+            self._caches[scope] = cache
+        return cache
+
+    # -------------------------------------------------------------- lifecycle
+    def start(self, prompt: Sequence[int], scope: Hashable = None) -> int:
+        """Start a request: its prompt becomes the request's own suffix tree.
+
+        Returns a fresh request id (ids are never reused). ``scope`` selects
+        the global cache the request drafts from and adds its response to.
+        """
+        prompt = [int(t) for t in prompt]
+        with self._lock:
+            req_id = next(self._ids)
+            self._cache(scope).start_request(req_id, prompt)
+            self._active[req_id] = _Request(scope, prompt[-self.max_tree_depth :])
+            self._responses[req_id] = []
+            self.stats.requests += 1
+            return req_id
+
+    def commit(self, req_id: int, tokens: Sequence[int]) -> None:
+        """Feed committed (emitted) tokens into the request's and global trees."""
+        if not tokens:
+            return
+        tokens = [int(t) for t in tokens]
+        with self._lock:
+            req = self._active[req_id]
+            self._caches[req.scope].add_active_response(req_id, tokens)
+            self._responses[req_id].extend(tokens)
+            req.context.extend(tokens)
+            self.stats.tokens += len(tokens)
+            if len(req.context) > 2 * self.max_tree_depth:
+                del req.context[: -self.max_tree_depth]
+
+    def draft(self, req_id: int, max_tokens: Optional[int] = None) -> Draft:
+        """Draft up to ``max_tokens`` (default ``num_draft_tokens``) tokens
+        that follow the request's committed tokens."""
+        limit = self.num_draft_tokens if max_tokens is None else max_tokens
+        if limit <= 0:
+            return Draft()
+        with self._lock:
+            req = self._active[req_id]
+            d = self._caches[req.scope].speculate(
+                req_id,
+                req.context[-self.max_tree_depth :],
+                max_spec_tokens=limit,
+                max_spec_factor=self.max_spec_factor,
+                max_spec_offset=self.max_spec_offset,
+                min_token_prob=self.min_token_prob,
+            )
+        return Draft(list(d.token_ids[:limit]), list(d.probs[:limit]))
+
+    def finish(self, req_id: int) -> None:
+        """Stop a request. Its response stays in the global cache until evicted.
+
+        Safe to call more than once."""
+        with self._lock:
+            req = self._active.pop(req_id, None)
+            if req is None:
+                return
+            self._caches[req.scope].stop_request(req_id)
+            self._keep_response(req_id, req.scope, self._responses.pop(req_id))
+
+    def record(self, drafted: int = 0, accepted: int = 0, steps: int = 1) -> None:
+        """Count target forwards and the draft tokens they verified/accepted.
+        (Committed tokens are counted by :meth:`commit`.)"""
+        with self._lock:
+            self.stats.steps += steps
+            self.stats.draft_steps += drafted > 0
+            self.stats.drafted += drafted
+            self.stats.accepted += accepted
+
+    def _keep_response(self, req_id: int, scope: Hashable, response: List[int]) -> None:
+        if req_id in self._caches[scope].cached_requests:
+            self._cached[req_id] = (scope, response)
+            self._cached_tokens += len(response)
+        self._evict()
+
+    def _evict(self) -> None:
+        while self._cached and (
+            len(self._cached) > self.max_cached_requests
+            or self._cached_tokens > self.max_cached_tokens
+        ):
+            req_id, (scope, response) = self._cached.popitem(last=False)
+            self._cached_tokens -= len(response)
+            cache = self._caches[scope]
+            cache.evict_cached_response(req_id)
+            if scope is not None and not cache.active_requests and not cache.cached_requests:
+                del self._caches[scope]
+
+    # ------------------------------------------------------------ persistence
+    def add_responses(self, responses: Iterable[Tuple[Hashable, Sequence[int]]]) -> int:
+        """Add finished responses (``(scope, tokens)`` pairs) to the global
+        cache, e.g. from a file. Returns how many were added."""
+        n = 0
+        with self._lock:
+            for scope, tokens in responses:
+                tokens = [int(t) for t in tokens]
+                req_id = next(self._ids)
+                cache = self._cache(scope)
+                cache.start_request(req_id, [])
+                cache.add_active_response(req_id, tokens)
+                cache.stop_request(req_id)
+                self._keep_response(req_id, scope, tokens)
+                n += 1
+        return n
+
+    def cached_responses(self) -> List[Tuple[Hashable, List[int]]]:
+        """The cached responses, oldest first."""
+        with self._lock:
+            return [(s, list(t)) for s, t in self._cached.values()]
+
+    def save(self, path: str | os.PathLike, model_id: str) -> None:
+        """Write the cached responses to ``path`` atomically (write to a temp
+        file in the same folder, fsync, rename)."""
+        path = Path(path)
+        data = {
+            "format": "mlx-lm-suffix-cache",
+            "version": CACHE_FILE_VERSION,
+            "model": model_id,
+            "responses": [
+                {"scope": s, "tokens": t} for s, t in self.cached_responses()
+            ],
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+
+class CacheFileError(ValueError):
+    """A suffix cache file that cannot be used."""
+
+
+def read_cache_file(path: str | os.PathLike, model_id: str) -> List[Tuple[Any, List[int]]]:
+    """Read responses saved by :meth:`SuffixDrafter.save`.
+
+    Raises ``FileNotFoundError`` when missing, and :class:`CacheFileError`
+    when the file is unreadable, corrupt, or was made for another model."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CacheFileError(f"suffix cache file {path} is not readable: {e}") from e
+    if not isinstance(data, dict) or data.get("format") != "mlx-lm-suffix-cache":
+        raise CacheFileError(f"{path} is not an mlx-lm-suffix cache file")
+    if data.get("version") != CACHE_FILE_VERSION:
+        raise CacheFileError(
+            f"{path} has cache format version {data.get('version')!r}, "
+            f"expected {CACHE_FILE_VERSION}"
+        )
+    if data.get("model") != model_id:
+        raise CacheFileError(
+            f"{path} holds token ids of model {data.get('model')!r}, "
+            f"not of the loaded model {model_id!r}; use another --suffix-cache-file"
+        )
+    out = []
+    for r in data.get("responses", []):
+        tokens = r.get("tokens") if isinstance(r, dict) else None
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
+        ):
+            raise CacheFileError(f"{path} has a malformed response entry")
+        out.append((r.get("scope"), tokens))
+    return out

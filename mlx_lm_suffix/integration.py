@@ -1,0 +1,245 @@
+"""Integration with mlx-lm's Python API and CLIs: the one place that patches
+mlx-lm. Written against mlx-lm 0.32.2; each patch names what it relies on.
+
+- ``mlx_lm.generate.stream_generate`` (and the names bound from it in
+  ``mlx_lm`` and ``mlx_lm.server``): a :class:`SuffixDrafter` or ``"suffix"``
+  as ``draft_model`` routes to :func:`suffix_generate_step`. Stock
+  ``stream_generate`` calls ``speculative_generate_step`` by its module-global
+  name for any draft model and drops ``max_kv_size`` and
+  ``prompt_progress_callback``; the wrappers carry those past it.
+- ``mlx_lm.generate.setup_arg_parser`` / ``generate``: the
+  ``mlx_lm.generate --suffix-draft`` flags and the drafting stats printed with
+  ``--verbose``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import weakref
+from types import ModuleType
+from typing import Any, Optional
+
+import mlx.nn as nn
+
+from .drafting import (
+    DEFAULT_MAX_CACHED_REQUESTS,
+    DEFAULT_MAX_CACHED_TOKENS,
+    DEFAULT_MAX_SPEC_FACTOR,
+    DEFAULT_MAX_SPEC_OFFSET,
+    DEFAULT_MAX_TREE_DEPTH,
+    DEFAULT_MIN_TOKEN_PROB,
+    DEFAULT_NUM_DRAFT_TOKENS,
+    SuffixDrafter,
+)
+from .generation import suffix_generate_step
+
+SUFFIX = "suffix"
+
+# draft_model="suffix": one drafter per model, alive as long as the model.
+_model_drafters: "weakref.WeakKeyDictionary[nn.Module, SuffixDrafter]" = (
+    weakref.WeakKeyDictionary()
+)
+# The drafter configured by `mlx_lm.generate --suffix-draft`, used by the
+# next generate() call that has no draft model of its own.
+_cli_drafter: Optional[SuffixDrafter] = None
+
+
+def drafter_for(model: nn.Module) -> SuffixDrafter:
+    """The process-wide drafter of ``model`` (used for ``draft_model="suffix"``)."""
+    drafter = _model_drafters.get(model)
+    if drafter is None:
+        drafter = _model_drafters[model] = SuffixDrafter()
+    return drafter
+
+
+def resolve_drafter(draft_model: Any, model: nn.Module) -> Optional[SuffixDrafter]:
+    """The drafter meant by a ``draft_model`` argument, or None for a real
+    draft model (or none at all)."""
+    if isinstance(draft_model, SuffixDrafter):
+        return draft_model
+    if isinstance(draft_model, str):
+        if draft_model != SUFFIX:
+            raise ValueError(
+                f"Unknown draft_model {draft_model!r}: pass a model, a "
+                f"SuffixDrafter, or {SUFFIX!r}."
+            )
+        return drafter_for(model)
+    return None
+
+
+def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``--suffix-*`` drafter knobs to a CLI parser."""
+    group = parser.add_argument_group("suffix decoding (mlx-lm-suffix)")
+    group.add_argument(
+        "--suffix-max-tree-depth",
+        type=int,
+        default=DEFAULT_MAX_TREE_DEPTH,
+        help="Depth of the suffix trees (longest context matched; a draft is at "
+        f"most ~depth/2 tokens at factor 1). Default: {DEFAULT_MAX_TREE_DEPTH}",
+    )
+    group.add_argument(
+        "--suffix-max-cached-requests",
+        type=int,
+        default=DEFAULT_MAX_CACHED_REQUESTS,
+        help="Earlier responses kept in the global suffix cache (0 disables it). "
+        f"Default: {DEFAULT_MAX_CACHED_REQUESTS}",
+    )
+    group.add_argument(
+        "--suffix-max-cached-tokens",
+        type=int,
+        default=DEFAULT_MAX_CACHED_TOKENS,
+        help="Total tokens of cached responses kept; oldest evicted first. "
+        f"Default: {DEFAULT_MAX_CACHED_TOKENS}",
+    )
+    group.add_argument(
+        "--suffix-max-spec-factor",
+        type=float,
+        default=DEFAULT_MAX_SPEC_FACTOR,
+        help="A draft is at most match_length * factor + offset tokens. "
+        f"Default: {DEFAULT_MAX_SPEC_FACTOR}",
+    )
+    group.add_argument(
+        "--suffix-max-spec-offset",
+        type=float,
+        default=DEFAULT_MAX_SPEC_OFFSET,
+        help=f"See --suffix-max-spec-factor. Default: {DEFAULT_MAX_SPEC_OFFSET}",
+    )
+    group.add_argument(
+        "--suffix-min-token-prob",
+        type=float,
+        default=DEFAULT_MIN_TOKEN_PROB,
+        help="Stop a draft at a token whose estimated probability is below "
+        f"this. Default: {DEFAULT_MIN_TOKEN_PROB}",
+    )
+
+
+def drafter_from_args(args: argparse.Namespace) -> SuffixDrafter:
+    """A drafter configured from parsed ``--suffix-*`` arguments."""
+    return SuffixDrafter(
+        num_draft_tokens=args.num_draft_tokens,
+        max_tree_depth=args.suffix_max_tree_depth,
+        max_cached_requests=args.suffix_max_cached_requests,
+        max_cached_tokens=args.suffix_max_cached_tokens,
+        max_spec_factor=args.suffix_max_spec_factor,
+        max_spec_offset=args.suffix_max_spec_offset,
+        min_token_prob=args.suffix_min_token_prob,
+    )
+
+
+def format_stats(stats: dict) -> str:
+    """One line of drafting stats for ``--verbose`` output and logs."""
+    return (
+        f"Suffix decoding: drafted {stats['drafted']}, accepted {stats['accepted']} "
+        f"({100 * stats['acceptance_rate']:.1f}%), {stats['tokens']} tokens in "
+        f"{stats['steps']} steps ({stats['tokens_per_step']:.2f} tokens/step)"
+    )
+
+
+def _stats_delta(drafter: SuffixDrafter, before: dict) -> dict:
+    now = drafter.stats.as_dict()
+    d = {k: now[k] - before[k] for k in ("steps", "drafted", "accepted", "tokens")}
+    d["acceptance_rate"] = d["accepted"] / d["drafted"] if d["drafted"] else 0.0
+    d["tokens_per_step"] = d["tokens"] / d["steps"] if d["steps"] else 0.0
+    return d
+
+
+def patch_generate(module: ModuleType) -> None:
+    """Patch ``mlx_lm.generate`` (mlx-lm 0.32.2: ``stream_generate``,
+    ``speculative_generate_step``, ``generate``, ``setup_arg_parser``)."""
+    if getattr(module, "_mlx_lm_suffix_patched", False):
+        return
+    stock_stream_generate = module.stream_generate
+    stock_speculative = module.speculative_generate_step
+    stock_generate = module.generate
+    stock_setup_arg_parser = module.setup_arg_parser
+
+    @functools.wraps(stock_stream_generate)
+    def stream_generate(model, tokenizer, prompt, max_tokens=256, draft_model=None, **kwargs):
+        drafter = resolve_drafter(draft_model, model)
+        if drafter is not None:
+            draft_model = drafter
+            # Stock stream_generate pops these for draft models.
+            kwargs["_suffix_kwargs"] = {
+                k: kwargs.pop(k)
+                for k in ("max_kv_size", "prompt_progress_callback")
+                if k in kwargs
+            }
+        return stock_stream_generate(
+            model, tokenizer, prompt, max_tokens=max_tokens, draft_model=draft_model, **kwargs
+        )
+
+    @functools.wraps(stock_speculative)
+    def speculative_generate_step(prompt, model, draft_model, *args, **kwargs):
+        if isinstance(draft_model, SuffixDrafter):
+            kwargs.update(kwargs.pop("_suffix_kwargs", {}))
+            return suffix_generate_step(prompt, model, draft_model, *args, **kwargs)
+        return stock_speculative(prompt, model, draft_model, *args, **kwargs)
+
+    @functools.wraps(stock_generate)
+    def generate(model, tokenizer, prompt, verbose=False, **kwargs):
+        global _cli_drafter
+        if kwargs.get("draft_model") is None and _cli_drafter is not None:
+            kwargs["draft_model"], _cli_drafter = _cli_drafter, None
+        drafter = resolve_drafter(kwargs.get("draft_model"), model)
+        before = drafter.stats.as_dict() if drafter is not None else None
+        text = stock_generate(model, tokenizer, prompt, verbose=verbose, **kwargs)
+        if verbose and drafter is not None:
+            print(format_stats(_stats_delta(drafter, before)))
+        return text
+
+    @functools.wraps(stock_setup_arg_parser)
+    def setup_arg_parser():
+        parser = stock_setup_arg_parser()
+        stock_default = parser.get_default("num_draft_tokens")
+        parser.add_argument(
+            "--suffix-draft",
+            action="store_true",
+            help="Speculative decoding with suffix trees of the prompt and of "
+            "earlier outputs (mlx-lm-suffix); no draft model needed. "
+            f"--num-draft-tokens defaults to {DEFAULT_NUM_DRAFT_TOKENS} with it.",
+        )
+        add_drafter_arguments(parser)
+        parser.set_defaults(num_draft_tokens=None)
+        parse_known_args = parser.parse_known_args
+
+        def parse_known_args_with_suffix(args=None, namespace=None):
+            global _cli_drafter
+            ns, extras = parse_known_args(args, namespace)
+            suffix = ns.suffix_draft
+            if ns.num_draft_tokens is None:
+                ns.num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS if suffix else stock_default
+            if suffix:
+                if ns.draft_model is not None:
+                    parser.error("--suffix-draft and --draft-model cannot be combined")
+                try:
+                    _cli_drafter = drafter_from_args(ns)
+                except ValueError as e:
+                    parser.error(str(e))
+            return ns, extras
+
+        parser.parse_known_args = parse_known_args_with_suffix
+        return parser
+
+    module.stream_generate = stream_generate
+    module.speculative_generate_step = speculative_generate_step
+    module.generate = generate
+    module.setup_arg_parser = setup_arg_parser
+    module._mlx_lm_suffix_patched = True
+
+    # Names bound before this patch (when mlx_lm_suffix is imported late).
+    package = sys.modules.get("mlx_lm")
+    if package is not None:
+        if getattr(package, "stream_generate", None) is stock_stream_generate:
+            package.stream_generate = stream_generate
+        if getattr(package, "generate", None) is stock_generate:
+            package.generate = generate
+
+
+def patch_server(module: ModuleType) -> None:
+    """Patch ``mlx_lm.server`` (mlx-lm 0.32.2: the ``stream_generate`` name it
+    imported from ``mlx_lm.generate``)."""
+    generate_module = sys.modules["mlx_lm.generate"]
+    patch_generate(generate_module)
+    module.stream_generate = generate_module.stream_generate
