@@ -30,6 +30,10 @@ DEFAULT_MAX_SPEC_OFFSET = 0.0
 DEFAULT_MIN_TOKEN_PROB = 0.1
 
 CACHE_FILE_VERSION = 1
+# A cached response keeps this many prompt tokens before it, so that a later
+# request whose prompt ends the same way drafts the response from its first
+# token (a repeated request, the same tool call after the same template).
+PROMPT_TAIL_TOKENS = 16
 
 
 @dataclass
@@ -199,11 +203,16 @@ class SuffixDrafter:
         the global cache the request drafts from and adds its response to.
         """
         prompt = [int(t) for t in prompt]
+        split = max(0, len(prompt) - PROMPT_TAIL_TOKENS)
         with self._lock:
             req_id = next(self._ids)
-            self._cache(scope).start_request(req_id, prompt)
+            cache = self._cache(scope)
+            # The request's tree gets the whole prompt; the global one its tail.
+            cache.start_request(req_id, prompt[:split])
+            if split < len(prompt):
+                cache.add_active_response(req_id, prompt[split:])
             self._active[req_id] = _Request(scope, prompt[-self.max_tree_depth :])
-            self._responses[req_id] = []
+            self._responses[req_id] = prompt[split:]
             self.stats.requests += 1
             return req_id
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-import weakref
 from typing import Any, Callable, Generator, Hashable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -30,14 +29,12 @@ from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 from .drafting import SuffixDrafter
 from .verification import accepted_length, rollback
 
-_warned_models: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-
 
 def warn_untrimmable(model: nn.Module, cache: List[Any]) -> None:
     """Warn once per model that its cache cannot roll back, so no drafting."""
-    if model in _warned_models:
+    if getattr(model, "_mlx_lm_suffix_warned", False):
         return
-    _warned_models.add(model)
+    object.__setattr__(model, "_mlx_lm_suffix_warned", True)
     kinds = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
     warnings.warn(
         f"mlx-lm-suffix: the model's KV cache ({', '.join(kinds)}) cannot be "

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import weakref
 from types import ModuleType
 from typing import Any, Optional
 
@@ -33,14 +32,9 @@ from .drafting import (
     DEFAULT_NUM_DRAFT_TOKENS,
     SuffixDrafter,
 )
-from .generation import suffix_generate_step
 
 SUFFIX = "suffix"
 
-# draft_model="suffix": one drafter per model, alive as long as the model.
-_model_drafters: "weakref.WeakKeyDictionary[nn.Module, SuffixDrafter]" = (
-    weakref.WeakKeyDictionary()
-)
 # The drafter configured by `mlx_lm.generate --suffix-draft`, used by the
 # next generate() call that has no draft model of its own.
 _cli_drafter: Optional[SuffixDrafter] = None
@@ -48,9 +42,11 @@ _cli_drafter: Optional[SuffixDrafter] = None
 
 def drafter_for(model: nn.Module) -> SuffixDrafter:
     """The process-wide drafter of ``model`` (used for ``draft_model="suffix"``)."""
-    drafter = _model_drafters.get(model)
+    # Kept on the model (modules are unhashable dicts), alive as long as it.
+    drafter = getattr(model, "_mlx_lm_suffix_drafter", None)
     if drafter is None:
-        drafter = _model_drafters[model] = SuffixDrafter()
+        drafter = SuffixDrafter()
+        object.__setattr__(model, "_mlx_lm_suffix_drafter", drafter)
     return drafter
 
 
@@ -173,6 +169,10 @@ def patch_generate(module: ModuleType) -> None:
     @functools.wraps(stock_speculative)
     def speculative_generate_step(prompt, model, draft_model, *args, **kwargs):
         if isinstance(draft_model, SuffixDrafter):
+            # Imported here: mlx_lm_suffix modules import mlx_lm, whose import
+            # runs this patch.
+            from .generation import suffix_generate_step
+
             kwargs.update(kwargs.pop("_suffix_kwargs", {}))
             return suffix_generate_step(prompt, model, draft_model, *args, **kwargs)
         return stock_speculative(prompt, model, draft_model, *args, **kwargs)

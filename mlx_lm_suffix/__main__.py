@@ -1,0 +1,3 @@
+from mlx_lm_suffix.cli import main
+
+main()

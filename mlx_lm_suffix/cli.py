@@ -1,0 +1,210 @@
+"""The ``mlx-lm-suffix`` command line (also ``python -m mlx_lm_suffix``).
+
+Each subcommand is a thin ``click`` wrapper around a module that holds its
+logic (``simulate`` -> :mod:`mlx_lm_suffix.simulate`, ``parity`` ->
+:mod:`mlx_lm_suffix.parity`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, List, Optional, Union
+
+import click
+
+from .drafting import (
+    DEFAULT_MAX_CACHED_REQUESTS,
+    DEFAULT_MAX_SPEC_OFFSET,
+    DEFAULT_NUM_DRAFT_TOKENS,
+)
+
+
+def _list_of(kind: Callable[[str], Any]) -> Callable[..., List[Any]]:
+    """A click callback parsing a comma-separated list of ``kind`` values."""
+
+    def parse(ctx: click.Context, param: click.Parameter, value: str) -> List[Any]:
+        try:
+            return [kind(v) for v in value.split(",") if v.strip()]
+        except ValueError as e:
+            raise click.BadParameter(f"expected comma-separated numbers: {e}") from e
+
+    return parse
+
+
+def _write_json(path: Union[str, os.PathLike], data: Any) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+@click.group(name="mlx-lm-suffix")
+def main() -> None:
+    """Suffix decoding for mlx-lm: tools."""
+
+
+@main.command("simulate")
+@click.argument("log", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--model",
+    default=None,
+    help="Model folder or Hugging Face id whose tokenizer encodes text records "
+    "(only the tokenizer is loaded). Default: the tiny model's BPE tokenizer.",
+)
+@click.option("--num-draft-tokens", default="8,16,32", callback=_list_of(int), show_default=True)
+@click.option("--max-tree-depth", default="24,64", callback=_list_of(int), show_default=True)
+@click.option("--max-spec-factor", default="1,2", callback=_list_of(float), show_default=True)
+@click.option(
+    "--max-spec-offset",
+    default=f"{DEFAULT_MAX_SPEC_OFFSET:g}",
+    callback=_list_of(float),
+    show_default=True,
+)
+@click.option("--min-token-prob", default="0.05,0.1", callback=_list_of(float), show_default=True)
+@click.option(
+    "--max-cached-requests",
+    default=str(DEFAULT_MAX_CACHED_REQUESTS),
+    callback=_list_of(int),
+    show_default=True,
+)
+@click.option(
+    "--cost-file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help='Measured forward times, JSON {"<tokens per forward>": time, ...} with '
+    "key 1. Default: assume cost(k draft tokens) = 1 + 0.04 k decode steps.",
+)
+@click.option("--warm", is_flag=True, help="Fill the global cache with every response first.")
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the results (and the recommendation) to this JSON file.",
+)
+def simulate_command(
+    log: str,
+    model: Optional[str],
+    num_draft_tokens: List[int],
+    max_tree_depth: List[int],
+    max_spec_factor: List[float],
+    max_spec_offset: List[float],
+    min_token_prob: List[float],
+    max_cached_requests: List[int],
+    cost_file: Optional[str],
+    warm: bool,
+    json_out: Optional[str],
+) -> None:
+    """Replay a JSONL log of {"prompt", "response"} pairs through the suffix
+    drafter for each knob combination, and recommend server flags."""
+    from . import simulate as sim
+
+    grid = {
+        "num_draft_tokens": num_draft_tokens,
+        "max_tree_depth": max_tree_depth,
+        "max_spec_factor": max_spec_factor,
+        "max_spec_offset": max_spec_offset,
+        "min_token_prob": min_token_prob,
+        "max_cached_requests": max_cached_requests,
+    }
+    try:
+        cost = sim.load_cost_file(cost_file) if cost_file else None
+        records = sim.tokenize_records(sim.read_records(log), model)
+        results = sim.simulate(records, grid, cost=cost, warm=warm)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    best = sim.recommend(results)
+    command = sim.server_command(best, model)
+    n_tokens = sum(len(r.response) for r in records)
+    click.echo(
+        f"{len(records)} records, {n_tokens} response tokens" + (" (warm cache)" if warm else "")
+    )
+    click.echo(
+        "cost model: "
+        + (
+            f"measured ({cost_file})"
+            if cost_file
+            else f"assumed 1 + {sim.DEFAULT_COST_PER_DRAFT_TOKEN:g} k per step"
+        )
+    )
+    click.echo(sim.format_table(results))
+    click.echo(f"\nRecommended ({best['est_speedup']:.2f}x estimated):\n  {command}")
+    if json_out:
+        _write_json(json_out, {"results": results, "recommended": best, "command": command})
+
+
+@main.command("parity")
+@click.option("--model", default=None, help="Model path or id. Default: the tiny qwen3 model.")
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help='JSONL of {"prompt": text or token ids}. Default: built-in set.',
+)
+@click.option("--max-tokens", default=64, show_default=True, type=int)
+@click.option("--num-draft-tokens", default=DEFAULT_NUM_DRAFT_TOKENS, show_default=True, type=int)
+@click.option(
+    "--top-k",
+    default=5,
+    show_default=True,
+    type=int,
+    help="A divergence is a near tie only if both tokens are in the top-k.",
+)
+@click.option(
+    "--tie-threshold",
+    default=0.05,
+    show_default=True,
+    type=float,
+    help="Largest logprob gap (nats) at the divergence for a near tie.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "float16", "bfloat16"]),
+    default=None,
+    help="Cast the model weights to this dtype.",
+)
+@click.option("--strict", is_flag=True, help="Exit non-zero on near ties too.")
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the per-prompt results to this JSON file.",
+)
+@click.pass_context
+def parity_command(
+    ctx: click.Context,
+    model: Optional[str],
+    prompts_file: Optional[str],
+    max_tokens: int,
+    num_draft_tokens: int,
+    top_k: int,
+    tie_threshold: float,
+    dtype: Optional[str],
+    strict: bool,
+    json_out: Optional[str],
+) -> None:
+    """Compare greedy spec-off and spec-on decoding token for token:
+    EXACT, NEAR_TIE (numerics at a near tie) or FAIL per prompt."""
+    from . import parity as par
+
+    try:
+        prompts = par.read_prompts(prompts_file) if prompts_file else par.builtin_prompts()
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    model_obj, tokenizer = par.load_model(model, dtype)
+    results = par.parity(
+        model_obj,
+        tokenizer,
+        prompts,
+        max_tokens=max_tokens,
+        num_draft_tokens=num_draft_tokens,
+        top_k=top_k,
+        tie_threshold=tie_threshold,
+    )
+    click.echo(par.format_report(results))
+    if json_out:
+        _write_json(json_out, results)
+    ctx.exit(par.exit_status(results, strict))

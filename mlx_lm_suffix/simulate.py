@@ -1,0 +1,372 @@
+"""Offline replay of request logs through a :class:`SuffixDrafter`.
+
+In the spirit of arctic-inference's ``suffix_decoding/simulator.py``: pure
+CPU, no model. Each logged ``(prompt, response)`` pair is replayed in order
+as if the model had produced the logged response greedily, so a draft is
+accepted exactly as far as it equals the response. This measures what the
+suffix trees would predict on a real workload and picks the drafting knobs
+for ``mlx_lm.server --draft suffix``.
+
+The replay follows :func:`mlx_lm_suffix.generation.suffix_generate_step`:
+
+- the first response token comes from the prompt's forward, without a draft;
+- every later step drafts at most ``num_draft_tokens`` tokens and never past
+  the last response token (at most ``remaining - 1``), accepts the longest
+  prefix equal to the response, and commits it plus one corrected token;
+- a *step* is one target forward over the last token plus the draft. The real
+  loop's pipelining when it switches from plain decoding to drafting is not
+  modelled.
+
+Each finished request stays in the drafter's global cache, so later records
+draft from earlier responses (one cache per ``"user"`` when records have one,
+as a partitioned server would keep them).
+
+Log format (JSONL), one request per line::
+
+    {"prompt": "text" | [token ids], "response": "text" | [token ids], "user": "optional"}
+
+Text is tokenized without special tokens by the tokenizer of a model folder
+or Hugging Face id (only the tokenizer is loaded). Without one, the
+byte-level BPE tokenizer of :mod:`mlx_lm_suffix.tiny_model` (trained on the
+Python standard library, 2048 tokens) is used: good enough to compare knobs,
+but token counts differ from a real model's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shlex
+import time
+from pathlib import Path
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Hashable,
+    Iterable,
+    List,
+    Mapping,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Union,
+)
+
+from .drafting import SuffixDrafter
+from .verification import accepted_length
+
+#: Knobs a grid may vary, in table order. Missing ones take SuffixDrafter's defaults.
+KNOBS = (
+    "num_draft_tokens",
+    "max_tree_depth",
+    "max_spec_factor",
+    "max_spec_offset",
+    "min_token_prob",
+    "max_cached_requests",
+)
+
+#: ``mlx_lm.server`` flag of each knob.
+SERVER_FLAGS = {
+    "num_draft_tokens": "--num-draft-tokens",
+    "max_tree_depth": "--suffix-max-tree-depth",
+    "max_spec_factor": "--suffix-max-spec-factor",
+    "max_spec_offset": "--suffix-max-spec-offset",
+    "min_token_prob": "--suffix-min-token-prob",
+    "max_cached_requests": "--suffix-max-cached-requests",
+}
+
+#: Assumed extra cost of each draft token in a verification forward, relative
+#: to a plain one-token decode step: ``cost(k) = 1 + 0.04 * k``. An assumption
+#: close to a Mac GPU (or CPU with OpenBLAS) for small k; pass measured costs
+#: where they matter.
+DEFAULT_COST_PER_DRAFT_TOKEN = 0.04
+
+CostFn = Callable[[int], float]
+Grid = Union[Sequence[Mapping[str, Any]], Mapping[str, Any]]
+
+
+class Record(NamedTuple):
+    """One tokenized request: prompt ids, response ids and cache scope."""
+
+    prompt: List[int]
+    response: List[int]
+    user: Hashable = None
+
+
+def default_cost(k: int) -> float:
+    """Cost of a forward verifying ``k`` draft tokens, relative to a plain
+    decode step: ``1 + DEFAULT_COST_PER_DRAFT_TOKEN * k`` (an assumption)."""
+    return 1.0 + DEFAULT_COST_PER_DRAFT_TOKEN * k
+
+
+def cost_from_times(times: Mapping[Any, float]) -> CostFn:
+    """A cost function from measured forward times.
+
+    ``times`` maps the number of tokens in one forward (``1`` is a plain
+    decode step, ``1 + k`` verifies ``k`` draft tokens) to its time in any
+    unit; key ``1`` is required. Costs are interpolated linearly between the
+    measured widths and extrapolated with the last segment's slope.
+    """
+    points = sorted((int(n), float(t)) for n, t in times.items())
+    base = dict(points).get(1)
+    if not base or base <= 0:
+        raise ValueError("measured costs need a positive time for a 1-token forward")
+    if any(n < 1 or t <= 0 for n, t in points):
+        raise ValueError("measured costs need widths >= 1 and positive times")
+    widths = [n for n, _ in points]
+    rel = [t / base for _, t in points]
+
+    def cost(k: int) -> float:
+        n = 1 + k
+        if len(widths) == 1:
+            return rel[0]
+        i = 1
+        while i < len(widths) - 1 and widths[i] < n:
+            i += 1
+        n0, n1 = widths[i - 1], widths[i]
+        c0, c1 = rel[i - 1], rel[i]
+        return max(c0 + (c1 - c0) * (n - n0) / (n1 - n0), 0.0)
+
+    return cost
+
+
+def load_cost_file(path: Union[str, os.PathLike]) -> CostFn:
+    """Read a JSON object ``{"<tokens per forward>": time, ...}`` (e.g.
+    ``{"1": 118, "2": 119, "4": 146, "8": 158, "16": 194, "32": 281}``) and
+    return :func:`cost_from_times` of it."""
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object of tokens -> time")
+    return cost_from_times(data)
+
+
+def read_records(path: Union[str, os.PathLike]) -> List[Dict[str, Any]]:
+    """Read a JSONL log of ``{"prompt", "response"[, "user"]}`` objects."""
+    records = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON: {e}") from e
+            if not isinstance(rec, dict) or "prompt" not in rec or "response" not in rec:
+                raise ValueError(f"{path}:{lineno}: needs 'prompt' and 'response'")
+            records.append(rec)
+    return records
+
+
+def load_encoder(tokenizer: Any = None) -> Callable[[str], List[int]]:
+    """A ``text -> token ids`` function (no special tokens added).
+
+    ``tokenizer`` is a model folder or Hugging Face id (its tokenizer is
+    loaded with ``mlx_lm.utils.load_tokenizer``), an object with an
+    ``encode`` method (a ``transformers``/``tokenizers`` tokenizer or
+    mlx-lm's ``TokenizerWrapper``), or ``None`` for the tiny model's BPE
+    tokenizer from :mod:`mlx_lm_suffix.tiny_model`.
+    """
+    if tokenizer is None:
+        from .tiny_model import get_tokenizer
+
+        tokenizer = get_tokenizer()
+    elif isinstance(tokenizer, (str, os.PathLike)):
+        from mlx_lm.utils import load_tokenizer
+
+        tokenizer = load_tokenizer(Path(tokenizer))
+
+    def encode(text: str) -> List[int]:
+        out = tokenizer.encode(text, add_special_tokens=False)
+        return [int(t) for t in getattr(out, "ids", out)]
+
+    return encode
+
+
+def tokenize_records(
+    records: Iterable[Union[Record, Mapping[str, Any]]], tokenizer: Any = None
+) -> List[Record]:
+    """Turn log entries into :class:`Record` s. Records and token lists are
+    kept as they are; text is encoded with :func:`load_encoder`
+    ``(tokenizer)``, which is only loaded when some entry holds text."""
+    encode = None
+    out = []
+    for rec in records:
+        if isinstance(rec, Record):
+            out.append(rec)
+            continue
+        fields = []
+        for key in ("prompt", "response"):
+            value = rec[key]
+            if isinstance(value, str):
+                if encode is None:
+                    encode = load_encoder(tokenizer)
+                value = encode(value)
+            fields.append([int(t) for t in value])
+        out.append(Record(fields[0], fields[1], rec.get("user")))
+    return out
+
+
+def expand_grid(grid: Grid) -> List[Dict[str, Any]]:
+    """Grid points from a list of dicts, or from a dict of value lists (their
+    Cartesian product; a scalar counts as a one-value list)."""
+    if isinstance(grid, Mapping):
+        keys = list(grid)
+        values = [v if isinstance(v, (list, tuple)) else [v] for v in grid.values()]
+        points = [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*values)]
+    else:
+        points = [dict(p) for p in grid]
+    for p in points:
+        unknown = set(p) - set(KNOBS)
+        if unknown:
+            raise ValueError(f"unknown knobs {sorted(unknown)}; expected some of {KNOBS}")
+    return points
+
+
+def replay(
+    drafter: SuffixDrafter, record: Record, cost: CostFn = default_cost
+) -> tuple[float, float]:
+    """Replay one request through ``drafter``, counting into its ``stats``.
+
+    Returns ``(verification_cost, drafting_seconds)``: the summed ``cost`` of
+    its steps, and the wall time spent in ``draft`` and ``commit`` calls.
+    """
+    response = record.response
+    n = len(response)
+    req = drafter.start(record.prompt, scope=record.user)
+    total_cost = 0.0
+    seconds = 0.0
+    pos = 0
+    while pos < n:
+        # The first token comes from the prompt's forward, without a draft.
+        k = min(drafter.num_draft_tokens, n - pos - 1) if pos else 0
+        t0 = time.perf_counter()
+        draft = drafter.draft(req, k).tokens if k > 0 else []
+        seconds += time.perf_counter() - t0
+        a = accepted_length(draft, response[pos : pos + len(draft) + 1])
+        t0 = time.perf_counter()
+        drafter.commit(req, response[pos : pos + a + 1])
+        seconds += time.perf_counter() - t0
+        drafter.record(drafted=len(draft), accepted=a)
+        total_cost += cost(len(draft))
+        pos += a + 1
+    drafter.finish(req)
+    return total_cost, seconds
+
+
+def simulate(
+    records: Iterable[Union[Record, Mapping[str, Any]]],
+    grid: Grid,
+    tokenizer: Any = None,
+    *,
+    cost: Optional[CostFn] = None,
+    warm: bool = False,
+) -> List[Dict[str, Any]]:
+    """Replay ``records`` in order once per grid point.
+
+    Args:
+        records: :class:`Record` s, or log entries (``{"prompt", "response"
+            [, "user"]}`` with text or token lists).
+        grid: Knob values (see :data:`KNOBS`): a list of dicts or a dict of
+            lists (Cartesian product).
+        tokenizer: For text entries; see :func:`load_encoder`.
+        cost: Verification cost of a step drafting ``k`` tokens relative to a
+            plain decode step (default :func:`default_cost`, an assumption;
+            see :func:`cost_from_times` for measured ones).
+        warm: Replay twice: the first pass only fills the global cache with
+            every response, the second is measured.
+
+    Returns:
+        One dict per grid point: every knob, ``records``, ``tokens``,
+        ``steps``, ``drafted``, ``accepted``, ``acceptance_rate`` (accepted /
+        drafted), ``accepted_per_step``, ``tokens_per_step`` (the speedup
+        bound with free verification), ``est_speedup`` (tokens / summed step
+        cost) and ``draft_us_per_token`` (drafting overhead per output token).
+    """
+    cost = cost or default_cost
+    recs = tokenize_records(records, tokenizer)
+    results = []
+    for point in expand_grid(grid):
+        drafter = SuffixDrafter(**point)
+        if warm:
+            drafter.add_responses((r.user, r.response) for r in recs)
+        total_cost = 0.0
+        seconds = 0.0
+        for rec in recs:
+            c, s = replay(drafter, rec, cost)
+            total_cost += c
+            seconds += s
+        st = drafter.stats
+        config = drafter.config()
+        results.append(
+            {
+                **{k: config[k] for k in KNOBS},
+                "records": len(recs),
+                "tokens": st.tokens,
+                "steps": st.steps,
+                "drafted": st.drafted,
+                "accepted": st.accepted,
+                "acceptance_rate": st.accepted / st.drafted if st.drafted else 0.0,
+                "accepted_per_step": st.accepted / st.steps if st.steps else 0.0,
+                "tokens_per_step": st.tokens / st.steps if st.steps else 0.0,
+                "est_speedup": st.tokens / total_cost if total_cost else 0.0,
+                "draft_us_per_token": 1e6 * seconds / st.tokens if st.tokens else 0.0,
+            }
+        )
+    return results
+
+
+def recommend(results: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    """The result with the highest estimated speedup (on a tie, the one with
+    fewer draft tokens, then the earlier one)."""
+    if not results:
+        raise ValueError("no results to recommend from")
+    best = max(
+        enumerate(results),
+        key=lambda ir: (ir[1]["est_speedup"], -ir[1]["num_draft_tokens"], -ir[0]),
+    )
+    return dict(best[1])
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def server_command(knobs: Mapping[str, Any], model: Optional[str] = None) -> str:
+    """The ``mlx_lm.server`` command line that uses ``knobs`` (e.g. the
+    result of :func:`recommend`)."""
+    args = ["mlx_lm.server"]
+    if model is not None:
+        args += ["--model", str(model)]
+    args += ["--draft", "suffix"]
+    for knob, flag in SERVER_FLAGS.items():
+        if knob in knobs:
+            args += [flag, _fmt(knobs[knob])]
+    return shlex.join(args)
+
+
+_COLUMNS = (
+    ("num_draft_tokens", "draft", "{}"),
+    ("max_tree_depth", "depth", "{}"),
+    ("max_spec_factor", "factor", "{:g}"),
+    ("max_spec_offset", "offset", "{:g}"),
+    ("min_token_prob", "min_p", "{:g}"),
+    ("acceptance_rate", "accept", "{:.1%}"),
+    ("accepted_per_step", "acc/step", "{:.2f}"),
+    ("tokens_per_step", "tok/step", "{:.2f}"),
+    ("est_speedup", "est.speedup", "{:.2f}x"),
+    ("draft_us_per_token", "us/tok", "{:.1f}"),
+)
+
+
+def format_table(results: Sequence[Mapping[str, Any]]) -> str:
+    """A text table of ``results``, best estimated speedup first."""
+    rows = sorted(results, key=lambda r: -r["est_speedup"])
+    cells = [[h for _, h, _ in _COLUMNS]]
+    cells += [[f.format(r[k]) for k, _, f in _COLUMNS] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(_COLUMNS))]
+    return "\n".join(
+        "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells
+    )

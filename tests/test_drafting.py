@@ -1,0 +1,119 @@
+"""The drafter's request lifecycle, bounds and cache file, without a model."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlx_lm_suffix.drafting import CacheFileError, SuffixDrafter, read_cache_file
+
+
+def test_drafts_from_prompt_and_from_earlier_response():
+    d = SuffixDrafter(num_draft_tokens=8)
+    text = [5, 6, 7, 8, 9, 10, 11, 12]
+    r = d.start(text + [1, 2] + text[:3])
+    # From its own prompt; at most match_length * max_spec_factor tokens.
+    assert d.draft(r).tokens == text[3:6]
+    d.finish(r)
+    r1 = d.start([40, 41])
+    d.commit(r1, [20, 21, 22, 23, 24, 25, 26, 27, 28, 29])
+    d.finish(r1)
+    r2 = d.start([50, 51])
+    d.commit(r2, [20, 21, 22, 23])
+    assert d.draft(r2, 4).tokens == [24, 25, 26, 27]  # from the cached response
+    assert d.draft(r2, 0).tokens == []
+    d.finish(r2)
+    assert d.active_requests == 0 and d.cached_requests == 3
+
+
+def test_scopes_are_isolated():
+    d = SuffixDrafter()
+    r = d.start([1], scope="alice")
+    d.commit(r, list(range(100, 130)))
+    d.finish(r)
+    bob = d.start([2], scope="bob")
+    d.commit(bob, [100, 101, 102, 103])
+    assert d.draft(bob).tokens == []
+    alice = d.start([3], scope="alice")
+    d.commit(alice, [100, 101, 102, 103])
+    assert d.draft(alice).tokens[:3] == [104, 105, 106]
+
+
+def test_bounds_evict_oldest_first():
+    d = SuffixDrafter(max_cached_requests=3, max_cached_tokens=25)
+    for i in range(6):
+        r = d.start([i])
+        d.commit(r, [1000 * i + j for j in range(10)])
+        d.finish(r)
+        assert d.cached_requests <= 3 and d.cached_tokens <= 25
+    assert d.cached_tokens == 22
+    # Each cached response keeps its one-token prompt as context.
+    assert [t[:2] for _, t in d.cached_responses()] == [[4, 4000], [5, 5000]]
+    probe = d.start([9])
+    d.commit(probe, [0, 1, 2])  # the first response was evicted
+    assert d.draft(probe).tokens == []
+
+
+def test_invalid_knobs_raise_clear_errors():
+    for kwargs in (
+        {"num_draft_tokens": -1},
+        {"num_draft_tokens": 2.5},
+        {"max_tree_depth": 0},
+        {"min_token_prob": 1.5},
+        {"max_cached_tokens": "many"},
+    ):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            SuffixDrafter(**kwargs)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("sfxa"), st.integers(0, 7)), max_size=60))
+def test_random_lifecycles_leave_nothing_active(ops):
+    d = SuffixDrafter(max_cached_requests=4, max_cached_tokens=50)
+    live, seen = [], set()
+    for op, arg in ops:
+        if op == "s":
+            r = d.start([arg, arg + 1])
+            assert r not in seen
+            seen.add(r)
+            live.append(r)
+        elif live and op == "f":
+            d.commit(live[arg % len(live)], [arg] * 3)
+            d.draft(live[arg % len(live)], 4)
+        elif live:  # finish or abort: both stop the request
+            d.finish(live.pop(arg % len(live)))
+        assert d.cached_requests <= 4 and d.cached_tokens <= 50
+    for r in live:
+        d.finish(r)
+        d.finish(r)  # idempotent
+    assert d.active_requests == 0
+
+
+def test_cache_file_round_trip_and_errors(tmp_path):
+    d = SuffixDrafter()
+    r = d.start([1, 2])
+    d.commit(r, [7, 8, 9, 10])
+    d.finish(r)
+    path = tmp_path / "cache.json"
+    d.save(path, "model-a")
+    assert read_cache_file(path, "model-a") == [(None, [1, 2, 7, 8, 9, 10])]
+    d2 = SuffixDrafter()
+    assert d2.add_responses(read_cache_file(path, "model-a")) == 1
+    q = d2.start([0])
+    d2.commit(q, [7, 8])
+    assert d2.draft(q).tokens == [9, 10]
+    assert d2.stats.tokens == 2  # warming does not count as generated tokens
+
+    with pytest.raises(CacheFileError, match="model-a"):
+        read_cache_file(path, "model-b")
+    path.write_text(path.read_text()[:20])
+    with pytest.raises(CacheFileError):
+        read_cache_file(path, "model-a")
+    path.write_text(json.dumps({"format": "mlx-lm-suffix-cache", "version": 1,
+                                "model": "model-a", "responses": [{"tokens": [-1]}]}))
+    with pytest.raises(CacheFileError):
+        read_cache_file(path, "model-a")
+    with pytest.raises(FileNotFoundError):
+        read_cache_file(tmp_path / "missing.json", "model-a")
+    assert [p.name for p in tmp_path.iterdir()] == ["cache.json"]  # no temp files left

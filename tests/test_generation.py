@@ -1,0 +1,331 @@
+"""Suffix decoding through the single-sequence loop and the patched
+``mlx_lm.stream_generate`` / ``mlx_lm.generate``, token for token against
+stock mlx-lm on tiny float32 models loaded with the real ``mlx_lm.load``."""
+
+import inspect
+import warnings
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm import load, stream_generate
+from mlx_lm.generate import generate_step
+from mlx_lm.models import mamba
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+import mlx_lm_suffix
+from mlx_lm_suffix import SuffixDrafter, suffix_generate_step
+from mlx_lm_suffix.drafting import Draft
+
+
+def _prompts(tokenizer, n=20):
+    """Prompts from real text on any machine (this stdlib's sources), half of
+    them highly repetitive so most tokens get drafted."""
+    text = Path(inspect.getsourcefile(inspect)).read_text()
+    prompts = []
+    for i in range(n):
+        chunk = text[3000 + 1500 * i : 3000 + 1500 * i + 300]
+        if i % 2:
+            chunk = f"Repeat this exactly:\n{chunk}\nAgain:\n{chunk}\nAgain:\n{chunk[:80]}"
+        prompts.append(tokenizer.encode(chunk))
+    return prompts
+
+
+def _stock(model, prompt, **kw):
+    return [t for t, _ in generate_step(mx.array(prompt), model, **kw)]
+
+
+def _suffix(model, prompt, drafter, **kw):
+    out = list(suffix_generate_step(mx.array(prompt), model, drafter, **kw))
+    return [t for t, _, _ in out], sum(f for _, _, f in out)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def model_and_tokenizer(request, tiny_model_path, tiny_llama_path):
+    path = tiny_model_path if request.param == "qwen3" else tiny_llama_path
+    model, tokenizer = load(str(path))
+    model.set_dtype(mx.float32)
+    return model, tokenizer
+
+
+def test_greedy_equals_stock_on_20_prompts(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    drafter = SuffixDrafter(num_draft_tokens=12)
+    drafted = total = 0
+    for prompt in _prompts(tokenizer):
+        ref = _stock(model, prompt, max_tokens=48)
+        out, n_draft = _suffix(model, prompt, drafter, max_tokens=48)
+        assert out == ref
+        drafted += n_draft
+        total += len(out)
+    stats = drafter.snapshot()
+    # The loop really verified drafts: many tokens came from them.
+    assert drafted / total > 0.1 and drafted > 100, stats
+    assert stats["accepted"] == drafted and stats["tokens"] == total
+    assert stats["active_requests"] == 0 and stats["cached_requests"] == 20
+
+
+def test_stream_generate_accepts_drafter_and_suffix(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    prompt = _prompts(tokenizer, 2)[1]
+    stock = list(stream_generate(model, tokenizer, prompt, max_tokens=40))
+    drafter = SuffixDrafter()
+    ours = list(stream_generate(model, tokenizer, prompt, max_tokens=40, draft_model=drafter))
+    assert [r.token for r in ours] == [r.token for r in stock]
+    # The repeat drafts from the first response.
+    accepted_before = drafter.stats.accepted
+    ours = list(stream_generate(model, tokenizer, prompt, max_tokens=40, draft_model=drafter))
+    assert [r.token for r in ours] == [r.token for r in stock]
+    assert "".join(r.text for r in ours) == "".join(r.text for r in stock)
+    assert ours[-1].finish_reason == stock[-1].finish_reason
+    assert any(r.from_draft for r in ours) and not any(r.from_draft for r in stock)
+    assert sum(r.from_draft for r in ours) == drafter.stats.accepted - accepted_before
+
+    # draft_model="suffix": one drafter per model whose cache persists.
+    text1 = mlx_lm_suffix_generate(model, tokenizer, prompt, "suffix")
+    text2 = mlx_lm_suffix_generate(model, tokenizer, prompt, "suffix")
+    assert text1 == text2 == "".join(r.text for r in stock)
+    from mlx_lm_suffix.integration import drafter_for
+
+    assert drafter_for(model).snapshot()["cached_requests"] == 2
+    with pytest.raises(ValueError, match="Unknown draft_model"):
+        list(stream_generate(model, tokenizer, prompt, max_tokens=4, draft_model="suffixx"))
+
+
+def mlx_lm_suffix_generate(model, tokenizer, prompt, draft_model):
+    import mlx_lm
+
+    return mlx_lm.generate(model, tokenizer, prompt, max_tokens=40, draft_model=draft_model)
+
+
+class _Wrapper(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    @property
+    def layers(self):
+        return self.inner.layers
+
+    @property
+    def args(self):
+        return self.inner.args
+
+
+def test_exact_max_tokens_and_caps(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    prompt = _prompts(tokenizer, 2)[1]
+    calls = []
+
+    class Spy(_Wrapper):
+        def __call__(self, inputs, cache=None, **kw):
+            calls.append((cache[0].offset, inputs.shape[1]))
+            return self.inner(inputs, cache=cache, **kw)
+
+    drafter = SuffixDrafter(num_draft_tokens=16)
+    for max_tokens in (1, 2, 7, 33):
+        out, _ = _suffix(model, prompt, drafter, max_tokens=max_tokens)
+        assert len(out) == max_tokens
+        assert out == _stock(model, prompt, max_tokens=max_tokens)
+    # A draft never goes past max_tokens: no forward feeds more tokens than
+    # can still be emitted.
+    calls.clear()
+    out, _ = _suffix(Spy(model), prompt, drafter, max_tokens=20)
+    assert len(out) == 20
+    emitted_before = 0
+    for offset, n in calls[1:]:
+        emitted_before = offset - len(prompt) + 1
+        assert n <= 20 - emitted_before + 1
+
+    # max_kv_size: drafts stop before the window would wrap; output as stock.
+    kv = len(prompt) + 12
+    calls.clear()
+    out, _ = _suffix(Spy(model), prompt, drafter, max_tokens=30, max_kv_size=kv,
+                     prompt_cache=make_prompt_cache(model, max_kv_size=kv))
+    assert out == _stock(model, prompt, max_tokens=30, max_kv_size=kv)
+    assert all(off + n <= kv for off, n in calls[1:] if n > 1)
+    assert any(n > 1 for _, n in calls[1:])
+
+
+def test_context_limit_from_max_position_embeddings(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    prompt = _prompts(tokenizer, 2)[1][:60]
+    limit = len(prompt) + 10
+    old = model.args.max_position_embeddings
+    model.args.max_position_embeddings = limit
+    seen = []
+    orig_call = type(model).__call__
+
+    try:
+        def spy(self, inputs, cache=None, **kw):
+            seen.append(cache[0].offset + inputs.shape[1])
+            return orig_call(self, inputs, cache=cache, **kw)
+
+        type(model).__call__ = spy
+        out, _ = _suffix(model, prompt, SuffixDrafter(), max_tokens=30)
+    finally:
+        type(model).__call__ = orig_call
+        model.args.max_position_embeddings = old
+    assert len(out) == 30
+    # Multi-token (draft) forwards never reach past the limit; single steps
+    # go on as in stock mlx-lm.
+    assert max(seen[1:]) > limit
+    assert all(end <= limit or n == 1 for end, n in zip(seen[1:], [1] * len(seen)))
+
+
+def test_eos_and_stop_as_stock(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    prompt = _prompts(tokenizer, 4)[3]
+    stock = list(stream_generate(model, tokenizer, prompt, max_tokens=40))
+    eos = stock[12].token
+    tokenizer.add_eos_token(str(eos))
+    try:
+        ref = list(stream_generate(model, tokenizer, prompt, max_tokens=40))
+        ours = list(
+            stream_generate(model, tokenizer, prompt, max_tokens=40, draft_model=SuffixDrafter())
+        )
+    finally:
+        tokenizer._eos_token_ids.discard(eos)
+    assert [r.token for r in ours] == [r.token for r in ref]
+    assert ours[-1].finish_reason == ref[-1].finish_reason == "stop"
+    assert "".join(r.text for r in ours) == "".join(r.text for r in ref)
+
+
+def test_lifecycle_close_exception_and_repeat(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    prompt = _prompts(tokenizer, 2)[1]
+    drafter = SuffixDrafter()
+
+    gen = suffix_generate_step(mx.array(prompt), model, drafter, max_tokens=50)
+    for _ in range(5):
+        next(gen)
+    assert drafter.active_requests == 1
+    gen.close()
+    assert drafter.active_requests == 0
+
+    class Boom(_Wrapper):
+        n = 0
+
+        def __call__(self, *a, **kw):
+            self.n += 1
+            if self.n == 6:
+                raise RuntimeError("boom")
+            return self.inner(*a, **kw)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        list(suffix_generate_step(mx.array(prompt), Boom(model), drafter, max_tokens=50))
+    assert drafter.active_requests == 0
+
+    # A repeat drafts from the first response, its final tokens included.
+    first, _ = _suffix(model, prompt, drafter, max_tokens=40)
+    before = drafter.stats.as_dict()
+    steps = list(suffix_generate_step(mx.array(prompt), model, drafter, max_tokens=40))
+    after = drafter.stats.as_dict()
+    assert [t for t, _, _ in steps] == first
+    drafted = after["drafted"] - before["drafted"]
+    accepted = after["accepted"] - before["accepted"]
+    assert accepted / drafted > 0.9
+    assert steps[-2][2]  # the second-to-last token was drafted
+    assert drafter.active_requests == 0
+
+
+def test_cache_holds_exactly_prompt_plus_yielded_tokens(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    prompt = _prompts(tokenizer, 2)[1]
+    for stop_after in (3, 17, 40):
+        cache = [KVCache() for _ in model.layers]
+        gen = suffix_generate_step(
+            mx.array(prompt), model, SuffixDrafter(), max_tokens=40, prompt_cache=cache
+        )
+        toks = [t for t, _, _ in (next(gen) for _ in range(stop_after))]
+        gen.close()
+        assert cache[0].offset == len(prompt) + len(toks)
+        # Its contents are those of a fresh prefill of prompt + tokens.
+        fresh = [KVCache() for _ in model.layers]
+        model(mx.array(prompt + toks)[None], cache=fresh)
+        n = fresh[0].offset
+        for c, f in zip(cache, fresh):
+            assert mx.allclose(c.keys[..., :n, :], f.keys[..., :n, :], atol=1e-4).item()
+
+
+def test_logits_processors_greedy_as_stock(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    procs = make_logits_processors(repetition_penalty=1.3, repetition_context_size=30)
+    for prompt in _prompts(tokenizer, 6)[1::2]:
+        ref = _stock(model, prompt, max_tokens=40, logits_processors=procs)
+        out, _ = _suffix(model, prompt, SuffixDrafter(), max_tokens=40, logits_processors=procs)
+        assert out == ref
+
+
+class _Bigram(nn.Module):
+    """A fake target with a known distribution: logits depend on the last
+    token only; a real KVCache keeps rollback honest."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.table = logits
+        self.layers = [None]
+
+    def __call__(self, inputs, cache=None):
+        x = mx.zeros((1, 1, inputs.shape[1], 1))
+        cache[0].update_and_fetch(x, x)
+        return self.table[inputs]
+
+
+class _FixedDrafter(SuffixDrafter):
+    def draft(self, req_id, max_tokens=None):
+        return Draft([1, 2, 3][:max_tokens], [1.0] * 3)
+
+
+def test_sampling_distribution_matches_target():
+    V = 4
+    rng = np.random.default_rng(0)
+    table = mx.array(rng.normal(size=(V, V)).astype(np.float32) * 1.5)
+    model = _Bigram(table)
+    mx.random.seed(0)
+    sampler = make_sampler(temp=1.0)
+    drafter = _FixedDrafter(num_draft_tokens=3)
+    counts = np.zeros((V, V))
+    for _ in range(1500):
+        cache = [KVCache()]
+        out = list(suffix_generate_step(mx.array([0]), model, drafter, max_tokens=3,
+                                        sampler=sampler, prompt_cache=cache))
+        counts[out[1][0], out[2][0]] += 1
+    probs = np.exp(np.array(table) - np.log(np.exp(np.array(table)).sum(-1, keepdims=True)))
+    # Second and third tokens: joint counts vs P(x2|x1) P(x3|x2) summed over x1.
+    p1 = probs[0]
+    expected_x2 = p1 @ probs  # distribution of x2
+    joint = expected_x2[:, None] * probs
+    chi2 = ((counts - 1500 * joint) ** 2 / (1500 * joint)).sum()
+    assert chi2 < 37.7  # chi-square, 15 dof, p = 0.001
+    assert drafter.stats.accepted > 0  # drafts were really accepted while sampling
+
+
+def test_untrimmable_cache_falls_back_and_warns_once():
+    mx.random.seed(0)
+    args = mamba.ModelArgs(model_type="mamba", vocab_size=64, hidden_size=32,
+                           intermediate_size=64, state_size=8, num_hidden_layers=2,
+                           conv_kernel=4, use_bias=False, use_conv_bias=True,
+                           time_step_rank=4)
+    model = mamba.Model(args)
+    mx.eval(model.parameters())
+    prompt = [1, 2, 3, 4] * 6
+    ref = _stock(model, prompt, max_tokens=20)
+    drafter = SuffixDrafter()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out1, d1 = _suffix(model, prompt, drafter, max_tokens=20)
+        out2, d2 = _suffix(model, prompt, drafter, max_tokens=20)
+    msgs = [x for x in w if "cannot be rolled back" in str(x.message)]
+    assert len(msgs) == 1
+    assert out1 == out2 == ref and d1 == d2 == 0
+    assert drafter.active_requests == 0
+
+
+def test_package_exports():
+    assert mlx_lm_suffix.SuffixDrafter is SuffixDrafter
+    with pytest.raises(AttributeError):
+        mlx_lm_suffix.nope  # noqa: B018

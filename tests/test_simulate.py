@@ -1,0 +1,208 @@
+"""Offline replay (mlx_lm_suffix.simulate) and the `simulate` CLI."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from mlx_lm_suffix.cli import main
+from mlx_lm_suffix.drafting import SuffixDrafter
+from mlx_lm_suffix.simulate import (
+    Record,
+    cost_from_times,
+    default_cost,
+    expand_grid,
+    load_encoder,
+    read_records,
+    recommend,
+    replay,
+    server_command,
+    simulate,
+    tokenize_records,
+)
+
+# Ten distinct tokens, none of them in any prompt below.
+RESPONSE = list(range(100, 110))
+CORPUS = [
+    Record(list(range(10, 20)), RESPONSE),  # nothing to draft from yet
+    Record(list(range(30, 40)), RESPONSE),  # repeats the first response
+    Record([1, 2], [500, 501, 502]),  # shares nothing with anything
+]
+KNOBS = {"num_draft_tokens": 8, "max_spec_factor": 1.0, "max_spec_offset": 0.0}
+
+
+def test_replay_hand_counted():
+    """Per record, with factor 1 a draft is as long as the match (the tokens
+    of the response committed so far), capped by remaining - 1:
+
+    record 1: 10 plain steps, nothing drafted.
+    record 2: token 0 (prompt forward) | draft 1 -> pos 3 | draft 3 -> pos 7
+              | draft min(7, 10 - 7 - 1) = 2 -> pos 10: 4 steps, 6 drafted.
+    record 3: 3 plain steps, nothing drafted.
+    """
+    drafter = SuffixDrafter(**KNOBS)
+    expected = [(10, 0), (4, 6), (3, 0)]
+    for record, (steps, drafted) in zip(CORPUS, expected, strict=True):
+        before = drafter.stats.as_dict()
+        cost, _ = replay(drafter, record)
+        after = drafter.stats.as_dict()
+        assert after["steps"] - before["steps"] == steps
+        assert after["drafted"] - before["drafted"] == drafted
+        assert after["accepted"] - before["accepted"] == drafted
+        assert after["tokens"] - before["tokens"] == len(record.response)
+        assert cost == pytest.approx(steps + 0.04 * drafted)
+    assert drafter.active_requests == 0
+    assert drafter.cached_requests == 3
+
+
+def test_simulate_totals():
+    (res,) = simulate(CORPUS, KNOBS)
+    assert res["records"] == 3
+    assert res["tokens"] == 23
+    assert res["steps"] == 17
+    assert res["drafted"] == res["accepted"] == 6
+    assert res["acceptance_rate"] == 1.0
+    assert res["accepted_per_step"] == pytest.approx(6 / 17)
+    assert res["tokens_per_step"] == pytest.approx(23 / 17)
+    assert res["est_speedup"] == pytest.approx(23 / (17 + 0.04 * 6))
+    assert res["draft_us_per_token"] > 0
+    assert res["num_draft_tokens"] == 8 and res["max_tree_depth"] == 64
+
+
+def test_unrelated_response_drafts_nothing():
+    (res,) = simulate([CORPUS[2]], KNOBS)
+    assert res["drafted"] == res["accepted"] == 0
+    assert res["steps"] == res["tokens"] == 3
+    assert res["acceptance_rate"] == 0.0
+    assert res["est_speedup"] == 1.0
+
+
+def test_warm_fills_cache_first():
+    """Warm: record 1 drafts from its own (cached) response like record 2,
+    and record 3 drafts its last token: 4 + 4 + 2 steps."""
+    (res,) = simulate(CORPUS, KNOBS, warm=True)
+    assert res["steps"] == 10
+    assert res["drafted"] == res["accepted"] == 6 + 6 + 1
+    assert res["tokens"] == 23
+
+
+def test_rejected_drafts_count():
+    """A prompt tree predicting the wrong continuation: drafted, not accepted."""
+    (res,) = simulate([Record([5, 6, 7, 8, 5, 6, 7, 8], [5, 9, 9, 9])], KNOBS)
+    assert res["drafted"] > 0
+    assert res["accepted"] < res["drafted"]
+    assert res["tokens"] == 4
+
+
+def test_user_scopes_are_separate():
+    recs = [Record(CORPUS[0].prompt, RESPONSE, "a"), Record(CORPUS[1].prompt, RESPONSE, "b")]
+    (res,) = simulate(recs, KNOBS)
+    assert res["drafted"] == 0
+    recs[1] = recs[1]._replace(user="a")
+    assert simulate(recs, KNOBS)[0]["drafted"] == 6
+
+
+def test_grid_expansion():
+    points = expand_grid(
+        {"num_draft_tokens": [4, 8], "min_token_prob": [0.05, 0.1], "max_tree_depth": 24}
+    )
+    assert len(points) == 4
+    assert {"num_draft_tokens": 8, "min_token_prob": 0.05, "max_tree_depth": 24} in points
+    assert expand_grid([{"num_draft_tokens": 4}]) == [{"num_draft_tokens": 4}]
+    with pytest.raises(ValueError, match="unknown knobs"):
+        expand_grid({"draft_tokens": [4]})
+    assert len(simulate(CORPUS, {"num_draft_tokens": [4, 8], "max_spec_factor": [1, 2]})) == 4
+
+
+def test_costs():
+    assert default_cost(0) == 1.0
+    assert default_cost(10) == pytest.approx(1.4)
+    cost = cost_from_times({"1": 100, "2": 100, "5": 130, "9": 170})
+    assert cost(0) == 1.0
+    assert cost(1) == 1.0
+    assert cost(2) == pytest.approx(1.1)  # 3 tokens: between widths 2 and 5
+    assert cost(8) == pytest.approx(1.7)
+    assert cost(12) == pytest.approx(2.1)  # extrapolated with the last slope
+    with pytest.raises(ValueError):
+        cost_from_times({"2": 100})
+    # Free verification: the estimate equals tokens per step.
+    (res,) = simulate(CORPUS, KNOBS, cost=cost_from_times({1: 1.0}))
+    assert res["est_speedup"] == pytest.approx(res["tokens_per_step"])
+
+
+def test_recommend_and_server_command():
+    results = simulate(CORPUS, {"num_draft_tokens": [16, 2, 8], "max_spec_factor": 1.0})
+    best = recommend(results)
+    assert best["est_speedup"] == max(r["est_speedup"] for r in results)
+    # 8 and 16 tie on this corpus: the smaller draft wins.
+    assert best["num_draft_tokens"] == 8
+    assert server_command(best, "my model") == (
+        "mlx_lm.server --model 'my model' --draft suffix --num-draft-tokens 8 "
+        "--suffix-max-tree-depth 64 --suffix-max-spec-factor 1 "
+        "--suffix-max-spec-offset 0 --suffix-min-token-prob 0.1 "
+        "--suffix-max-cached-requests 10000"
+    )
+    with pytest.raises(ValueError):
+        recommend([])
+
+
+def test_text_records(tiny_model_path, models_dir, monkeypatch):
+    """Text goes through the tiny model's tokenizer by default, the same one
+    a model folder's tokenizer.json holds."""
+    monkeypatch.setenv("MLX_LM_SUFFIX_HOME", str(models_dir))
+    text = "def add(a, b):\n    return a + b\n"
+    recs = [{"prompt": "Write add.", "response": text}, {"prompt": "Again.", "response": text}]
+    by_default = tokenize_records(recs)
+    by_path = tokenize_records(recs, str(tiny_model_path))
+    assert by_default == by_path
+    ids = load_encoder(None)(text)
+    assert by_default[1].response == ids and len(ids) > 5
+    (res,) = simulate(recs, KNOBS)
+    assert res["tokens"] == 2 * len(ids)
+    assert res["accepted"] > 0
+
+
+def _write_log(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_cli_simulate(tmp_path):
+    log = tmp_path / "log.jsonl"
+    _write_log(log, [r._asdict() for r in CORPUS] + [{"prompt": [7], "response": RESPONSE}])
+    out = tmp_path / "out" / "res.json"
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"1": 118, "2": 119, "4": 146, "8": 158, "16": 194}))
+    result = CliRunner().invoke(
+        main,
+        [
+            "simulate",
+            str(log),
+            "--num-draft-tokens",
+            "4,8",
+            "--min-token-prob",
+            "0.1",
+            "--cost-file",
+            str(costs),
+            "--json",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "4 records, 33 response tokens" in result.output
+    assert "est.speedup" in result.output
+    assert "Recommended" in result.output
+    assert "mlx_lm.server --draft suffix --num-draft-tokens " in result.output
+    data = json.loads(out.read_text())
+    assert len(data["results"]) == 2 * 2 * 2  # draft x depth x factor
+    assert data["recommended"] == recommend(data["results"])
+    assert data["command"] in result.output
+
+
+def test_cli_simulate_bad_log(tmp_path):
+    log = tmp_path / "log.jsonl"
+    _write_log(log, [{"prompt": [1]}])
+    result = CliRunner().invoke(main, ["simulate", str(log)])
+    assert result.exit_code != 0
+    assert "needs 'prompt' and 'response'" in result.output
+    with pytest.raises(ValueError, match="log.jsonl:1"):
+        read_records(log)
