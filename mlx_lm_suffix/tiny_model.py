@@ -61,10 +61,18 @@ DEFAULT_MAX_POSITION_EMBEDDINGS = 32768
 # Characters of standard-library source used to train the tokenizer.
 _CORPUS_BUDGET = 2_000_000
 # Matrices are drawn from N(0, std) with std = gain / sqrt(hidden_size). The
-# gains were picked by hand so greedy output is repetitive but not constant:
-# a smaller gain gives one-token loops, a larger one near-uniform noise. Tied
-# embeddings (qwen3) favour repeating the last token, so they need more gain.
-_INIT_GAIN = {"qwen3": 0.8, "llama": 0.6}
+# gains were picked by hand (greedy decoding from a few prompts) so output is
+# repetitive but not constant: a smaller gain gives one-token loops, a larger
+# one near-uniform noise. Tied embeddings (qwen3) favour repeating the last
+# token so need more gain; deeper models (bench) mix more so need less.
+_INIT_GAIN = {
+    ("qwen3", "tiny"): 0.8,
+    ("qwen3", "small"): 0.8,
+    ("qwen3", "bench"): 0.7,
+    ("llama", "tiny"): 0.6,
+    ("llama", "small"): 0.6,
+    ("llama", "bench"): 0.7,
+}
 
 #: Shape of each model size (vocab size comes from the tokenizer).
 SIZES: dict[str, dict[str, int]] = {
@@ -206,24 +214,24 @@ def get_tokenizer(
     Memoised in-process, and (unless ``use_disk_cache`` is False) stored as
     ``<cache_root>/tokenizers/bpe-<vocab>-py<X.Y>-<version>.json``.
     """
-    if vocab_size in _TOKENIZER_MEMO:
-        return Tokenizer.from_str(_TOKENIZER_MEMO[vocab_size])
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
-    file = cache_root(cache_dir) / "tokenizers" / f"bpe-{vocab_size}-py{py}-{CACHE_VERSION}.json"
-    text = None
+    name = f"bpe-{vocab_size}-py{py}-{CACHE_VERSION}.json"
+    file = cache_root(cache_dir) / "tokenizers" / name
+    on_disk = None
     if use_disk_cache and file.is_file():
         try:
-            text = file.read_text(encoding="utf-8")
-            json.loads(text)
-        except (OSError, ValueError):  # unreadable or corrupt cache: retrain
-            text = None
+            on_disk = file.read_text(encoding="utf-8")
+            json.loads(on_disk)
+        except (OSError, ValueError):  # unreadable or corrupt: replace it
+            on_disk = None
+    text = _TOKENIZER_MEMO.get(vocab_size) or on_disk
     if text is None:
         text = build_tokenizer(vocab_size).to_str()
-        if use_disk_cache:
-            file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = file.with_name(f".{file.name}.{uuid.uuid4().hex}.tmp")
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, file)
+    if use_disk_cache and on_disk is None:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_name(f".{file.name}.{uuid.uuid4().hex}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, file)
     _TOKENIZER_MEMO[vocab_size] = text
     return Tokenizer.from_str(text)
 
@@ -233,9 +241,9 @@ def get_tokenizer(
 # --------------------------------------------------------------------------
 
 
-def _init_std(arch: str, hidden_size: int) -> float:
+def _init_std(arch: str, size: str) -> float:
     """Standard deviation of the random init of every weight matrix."""
-    return round(_INIT_GAIN[arch] / math.sqrt(hidden_size), 6)
+    return round(_INIT_GAIN[arch, size] / math.sqrt(SIZES[size]["hidden_size"]), 6)
 
 
 def model_config(
@@ -293,7 +301,7 @@ def model_config(
         }
     else:
         raise ValueError(f"unknown arch {arch!r}; expected 'qwen3' or 'llama'")
-    specific["initializer_range"] = _init_std(arch, common["hidden_size"])
+    specific["initializer_range"] = _init_std(arch, size)
     return dict(sorted({**common, **specific}.items()))
 
 
@@ -316,18 +324,21 @@ def _random_weights(config: dict[str, Any], seed: int, dtype: str) -> dict[str, 
     N(0, gain / sqrt(hidden)) with per-tensor keys from ``seed``; norms stay 1.
     """
     model_cls, args_cls = _model_class(config["model_type"])
-    mx.random.seed(seed)
-    model = model_cls(args_cls.from_dict(config))
-    params = dict(tree_flatten(model.parameters()))
-    keys = mx.random.split(mx.random.key(seed), len(params))
     std = config["initializer_range"]
     weights: dict[str, mx.array] = {}
-    for i, name in enumerate(sorted(params)):
-        value = params[name]
-        if value.ndim >= 2:
-            value = std * mx.random.normal(value.shape, key=keys[i])
-        weights[name] = value.astype(_DTYPES[dtype])
-    mx.eval(weights)
+    # On the CPU so a GPU build gives the same bits; the default init of the
+    # model is lazy and never evaluated, so instantiating it costs nothing.
+    with mx.stream(mx.cpu):
+        mx.random.seed(seed)
+        model = model_cls(args_cls.from_dict(config))
+        params = dict(tree_flatten(model.parameters()))
+        keys = mx.random.split(mx.random.key(seed), len(params))
+        for i, name in enumerate(sorted(params)):
+            value = params[name]
+            if value.ndim >= 2:
+                value = std * mx.random.normal(value.shape, key=keys[i])
+            weights[name] = value.astype(_DTYPES[dtype])
+        mx.eval(weights)
     return weights
 
 
@@ -463,21 +474,39 @@ def ensure_model(
     """Path of a cached model, building it on first use.
 
     The folder is ``<cache_root(cache_dir)>/models/<arch>-<size>-v1`` (with
-    ``-s<seed>`` before ``-v1`` for a non-zero seed). A complete folder is
-    reused as is; a build is atomic, and concurrent builders are safe (the
-    first rename wins, the others discard their copy).
+    ``-s<seed>`` before ``-v1`` for a non-zero seed). A complete folder whose
+    ``config.json`` matches the current recipe is reused as is; anything else
+    is rebuilt. Builds are atomic, and concurrent builders are safe (the first
+    rename wins, the others discard their copy). The tokenizer is cached in
+    the same root.
     """
+    if arch not in ("qwen3", "llama"):
+        raise ValueError(f"unknown arch {arch!r}; expected 'qwen3' or 'llama'")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
     root = cache_root(cache_dir)
     suffix = f"-s{seed}" if seed else ""
     path = root / "models" / f"{arch}-{size}{suffix}-{CACHE_VERSION}"
-    if is_complete(path):
+    if is_complete(path) and _config_is_current(path, arch, size):
         return path
-    if path.exists():  # incomplete leftover from an older, non-atomic writer
-        shutil.rmtree(path, ignore_errors=True)
     tokenizer = get_tokenizer(DEFAULT_VOCAB_SIZE, root)
+    # Replace a stale or half folder (left by some other writer); otherwise a
+    # concurrent builder that renamed first wins and ours is discarded.
+    stale = path.exists()
     try:
-        build_model(path, arch=arch, size=size, seed=seed, tokenizer=tokenizer)
-    except (FileExistsError, OSError):
+        build_model(path, arch=arch, size=size, seed=seed, tokenizer=tokenizer, overwrite=stale)
+    except OSError:
         if not is_complete(path):  # not a lost race: a real error
             raise
     return path
+
+
+def _config_is_current(path: Path, arch: str, size: str) -> bool:
+    """Whether ``path/config.json`` is what this recipe would write now."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    expected = model_config(arch, size, vocab_size=config.get("vocab_size", 0))
+    expected["eos_token_id"] = config.get("eos_token_id")
+    return config == expected
