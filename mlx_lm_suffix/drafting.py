@@ -21,6 +21,8 @@ from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tupl
 
 from arctic_inference.suffix_decoding import SuffixDecodingCache
 
+from .policy import Calibration, VerifyCost, best_length, histogram
+
 DEFAULT_NUM_DRAFT_TOKENS = 16
 DEFAULT_MAX_TREE_DEPTH = 64
 DEFAULT_MAX_CACHED_REQUESTS = 10_000
@@ -28,6 +30,7 @@ DEFAULT_MAX_CACHED_TOKENS = 4_000_000
 DEFAULT_MAX_SPEC_FACTOR = 1.0
 DEFAULT_MAX_SPEC_OFFSET = 0.0
 DEFAULT_MIN_TOKEN_PROB = 0.1
+POLICIES = ("adaptive", "fixed")
 
 CACHE_FILE_VERSION = 1
 # A cached response keeps this many prompt tokens before it, so that a later
@@ -60,10 +63,16 @@ class DraftStats:
     drafted: int = 0
     accepted: int = 0
     tokens: int = 0
+    # Sum of the trees' probability estimates over verified draft tokens.
+    expected: float = 0.0
+    # Verified draft length -> number of steps.
+    lengths: Dict[int, int] = field(default_factory=dict)
 
     def as_dict(self) -> Dict[str, Any]:
         d = asdict(self)
+        d["lengths"] = histogram(self.lengths)
         d["acceptance_rate"] = self.accepted / self.drafted if self.drafted else 0.0
+        d["expected_acceptance_rate"] = self.expected / self.drafted if self.drafted else 0.0
         d["tokens_per_step"] = self.tokens / self.steps if self.steps else 0.0
         return d
 
@@ -113,6 +122,14 @@ class SuffixDrafter:
             ``match_length * max_spec_factor + max_spec_offset`` tokens.
         min_token_prob: Stop a draft at the first token whose estimated
             probability is below this.
+        policy: ``"adaptive"`` (default) picks each draft's length to maximise
+            expected tokens per second from the trees' probability estimates
+            and the measured cost of verifying ``k`` tokens (see
+            :mod:`mlx_lm_suffix.policy`); ``"fixed"`` drafts as long as the
+            trees allow. ``num_draft_tokens`` and the tree knobs are hard
+            limits either way.
+        cost: A :class:`~mlx_lm_suffix.policy.VerifyCost` to use instead of
+            measuring one for the model at first use.
     """
 
     def __init__(
@@ -125,6 +142,8 @@ class SuffixDrafter:
         max_spec_factor: float = DEFAULT_MAX_SPEC_FACTOR,
         max_spec_offset: float = DEFAULT_MAX_SPEC_OFFSET,
         min_token_prob: float = DEFAULT_MIN_TOKEN_PROB,
+        policy: str = "adaptive",
+        cost: Optional[VerifyCost] = None,
     ):
         self.num_draft_tokens = _positive_int(
             "num_draft_tokens", num_draft_tokens, allow_zero=True
@@ -139,6 +158,11 @@ class SuffixDrafter:
         self.max_spec_factor = _number("max_spec_factor", max_spec_factor, 0.0)
         self.max_spec_offset = _number("max_spec_offset", max_spec_offset, -1e9)
         self.min_token_prob = _number("min_token_prob", min_token_prob, 0.0, 1.0)
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
+        self.cost = cost
+        self.calibration = Calibration()
 
         self.stats = DraftStats()
         self._lock = threading.RLock()
@@ -174,6 +198,7 @@ class SuffixDrafter:
             "max_spec_factor": self.max_spec_factor,
             "max_spec_offset": self.max_spec_offset,
             "min_token_prob": self.min_token_prob,
+            "policy": self.policy,
         }
 
     def snapshot(self) -> Dict[str, Any]:
@@ -181,6 +206,8 @@ class SuffixDrafter:
         with self._lock:
             d = self.stats.as_dict()
             d.update(
+                probability_scale=self.calibration.ratio,
+                verify_cost=self.cost.relative() if self.cost is not None else None,
                 active_requests=self.active_requests,
                 cached_requests=self.cached_requests,
                 cached_tokens=self.cached_tokens,
@@ -230,9 +257,19 @@ class SuffixDrafter:
             if len(req.context) > 2 * self.max_tree_depth:
                 del req.context[: -self.max_tree_depth]
 
-    def draft(self, req_id: int, max_tokens: Optional[int] = None) -> Draft:
+    def ensure_cost(self, model: Any) -> None:
+        """Measure the verification cost curve of ``model`` once (adaptive
+        policy only)."""
+        if self.policy == "adaptive" and self.cost is None:
+            self.cost = VerifyCost.calibrate(model)
+
+    def draft(self, req_id: int, max_tokens: Optional[int] = None, base: int = 1) -> Draft:
         """Draft up to ``max_tokens`` (default ``num_draft_tokens``) tokens
-        that follow the request's committed tokens."""
+        that follow the request's committed tokens.
+
+        With the adaptive policy and a cost curve, the draft is cut to the
+        length with the best expected tokens per second; ``base`` is how many
+        tokens the verifying forward feeds besides the draft."""
         limit = self.num_draft_tokens if max_tokens is None else max_tokens
         if limit <= 0:
             return Draft()
@@ -246,7 +283,12 @@ class SuffixDrafter:
                 max_spec_offset=self.max_spec_offset,
                 min_token_prob=self.min_token_prob,
             )
-        return Draft(list(d.token_ids[:limit]), list(d.probs[:limit]))
+        draft = Draft(list(d.token_ids[:limit]), list(d.probs[:limit]))
+        if self.policy == "adaptive" and self.cost is not None and draft.tokens:
+            draft = draft.truncate(
+                best_length(draft.probs, self.cost, self.calibration.ratio, base)
+            )
+        return draft
 
     def finish(self, req_id: int) -> None:
         """Stop a request. Its response stays in the global cache until evicted.
@@ -259,14 +301,21 @@ class SuffixDrafter:
             self._caches[req.scope].stop_request(req_id)
             self._keep_response(req_id, req.scope, self._responses.pop(req_id))
 
-    def record(self, drafted: int = 0, accepted: int = 0, steps: int = 1) -> None:
-        """Count target forwards and the draft tokens they verified/accepted.
+    def record(
+        self, drafted: int = 0, accepted: int = 0, steps: int = 1, expected: float = 0.0
+    ) -> None:
+        """Count target forwards and the draft tokens they verified/accepted;
+        ``expected`` is the sum of the verified tokens' probability estimates.
         (Committed tokens are counted by :meth:`commit`.)"""
         with self._lock:
             self.stats.steps += steps
-            self.stats.draft_steps += drafted > 0
             self.stats.drafted += drafted
             self.stats.accepted += accepted
+            if drafted:
+                self.stats.draft_steps += 1
+                self.stats.expected += expected
+                self.stats.lengths[drafted] = self.stats.lengths.get(drafted, 0) + 1
+                self.calibration.update(expected, accepted)
 
     def _keep_response(self, req_id: int, scope: Hashable, response: List[int]) -> None:
         if req_id in self._caches[scope].cached_requests:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 import warnings
 from typing import Any, Callable, Generator, Hashable, List, Optional, Sequence, Tuple
 
@@ -123,6 +124,8 @@ def suffix_generate_step(
     can_draft = num_draft_tokens > 0 and can_trim_prompt_cache(prompt_cache)
     if num_draft_tokens > 0 and not can_draft:
         warn_untrimmable(model, prompt_cache)
+    if can_draft:
+        drafter.ensure_cost(model)
     ctx_limit = context_limit(model, max_kv_size)
 
     sampler = sampler or greedy_sampler
@@ -211,7 +214,9 @@ def suffix_generate_step(
                 if can_draft:
                     room = draft_room(prompt_cache, ctx_limit) - (nxt is None)
                     k = int(min(num_draft_tokens, limit - n - 1, room))
-                draft = drafter.draft(req, k).tokens if k > 0 else []
+                # Pipelined: the forward feeds only the draft (t is in the cache).
+                proposal = drafter.draft(req, k, base=int(nxt is None)) if k > 0 else None
+                draft = proposal.tokens if proposal else []
                 if not draft:
                     spec_mode = False
                     if nxt is None:
@@ -231,23 +236,27 @@ def suffix_generate_step(
                     extend_history(tok)
                     first, first_lp = nxt
                     if first.item() != draft[0]:
-                        drafter.record(drafted=1, accepted=0)
+                        drafter.record(drafted=1, accepted=0, expected=proposal.probs[0])
                         pending, pending_is_plain = nxt, False
                         continue
                     inputs = mx.array(draft, mx.uint32)
+                    tic = time.perf_counter()
                     out, out_lp = forward(inputs)
                     targets = [draft[0]] + out.tolist()
                     all_lp = mx.concatenate([first_lp, out_lp])
                     drafter.record()  # the pipelined step that checked draft[0]
                 else:
                     inputs = mx.array([t] + draft, mx.uint32)
+                    tic = time.perf_counter()
                     out, all_lp = forward(inputs)
                     targets = out.tolist()
+                if drafter.cost is not None:
+                    drafter.cost.observe(inputs.size, time.perf_counter() - tic)
                 a = accepted_length(draft, targets)
                 rollback(prompt_cache, k - a)
                 kept = inputs.size - (k - a)
                 extend_history(inputs[:kept])
-                drafter.record(drafted=k, accepted=a)
+                drafter.record(drafted=k, accepted=a, expected=sum(proposal.probs))
                 last_in_cache = True
                 for i in range(a):
                     drafter.commit(req, [draft[i]])

@@ -276,7 +276,7 @@ class _Bigram(nn.Module):
 
 
 class _FixedDrafter(SuffixDrafter):
-    def draft(self, req_id, max_tokens=None):
+    def draft(self, req_id, max_tokens=None, base=1):
         return Draft([1, 2, 3][:max_tokens], [1.0] * 3)
 
 
@@ -287,7 +287,7 @@ def test_sampling_distribution_matches_target():
     model = _Bigram(table)
     mx.random.seed(0)
     sampler = make_sampler(temp=1.0)
-    drafter = _FixedDrafter(num_draft_tokens=3)
+    drafter = _FixedDrafter(num_draft_tokens=3, policy="fixed")
     counts = np.zeros((V, V))
     for _ in range(1500):
         cache = [KVCache()]

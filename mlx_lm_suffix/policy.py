@@ -1,0 +1,157 @@
+"""Cost-aware draft lengths.
+
+A draft costs verification time and a rejected draft is pure loss. The policy
+picks, per step (and per batch), the draft length that maximises the expected
+number of committed tokens per unit of time, from
+
+- the suffix tree's per-token probability estimates (arctic-inference returns
+  cumulative probabilities: ``probs[i]`` estimates that the first ``i + 1``
+  draft tokens are all right), corrected online by the acceptance actually
+  seen, and
+- :class:`VerifyCost`, the time of one target forward by the number of tokens
+  it feeds, measured for the loaded model at first use and refined online.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import Dict, List, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+class VerifyCost:
+    """Seconds for one target forward over ``n`` tokens (all rows of a batch
+    together), interpolated linearly between measured points."""
+
+    def __init__(self, points: Dict[int, float], smoothing: float = 0.1):
+        if not points or 1 not in points:
+            raise ValueError("VerifyCost needs at least the time of a 1-token forward")
+        self.points = {int(k): float(v) for k, v in points.items()}
+        self.smoothing = smoothing
+        self._sizes = sorted(self.points)
+
+    def __call__(self, n: int) -> float:
+        sizes, pts = self._sizes, self.points
+        if n <= sizes[0]:
+            return pts[sizes[0]]
+        i = bisect.bisect_left(sizes, n)
+        if i < len(sizes) and sizes[i] == n:
+            return pts[n]
+        lo, hi = (sizes[i - 1], sizes[i]) if i < len(sizes) else (sizes[-2], sizes[-1])
+        if lo == hi:
+            return pts[lo] * n / lo
+        slope = (pts[hi] - pts[lo]) / (hi - lo)
+        return max(pts[lo] + slope * (n - lo), pts[sizes[0]])
+
+    def observe(self, n: int, seconds: float) -> None:
+        """Refine the nearest measured point with a real step's time."""
+        near = min(self._sizes, key=lambda s: abs(s - n))
+        if near != n and not (near / 2 <= n <= near * 2):
+            return
+        scaled = seconds * self.points[near] / max(self(n), 1e-12)
+        self.points[near] += self.smoothing * (scaled - self.points[near])
+
+    def relative(self) -> Dict[int, float]:
+        """Costs relative to a one-token forward (for stats and reports)."""
+        return {k: v / self.points[1] for k, v in sorted(self.points.items())}
+
+    @classmethod
+    def calibrate(
+        cls,
+        model: nn.Module,
+        sizes: Sequence[int] = CALIBRATION_SIZES,
+        context: int = 128,
+        repeats: int = 2,
+    ) -> "VerifyCost":
+        """Time forwards of ``sizes`` tokens after a ``context``-token prefix
+        on a scratch cache (the best of ``repeats`` runs each)."""
+        vocab = getattr(getattr(model, "args", None), "vocab_size", 32)
+        tokens = mx.arange(context + max(sizes)) % vocab
+        points = {}
+        cache = make_prompt_cache(model)
+        model(tokens[None, :context], cache=cache)
+        mx.eval([c.state for c in cache])
+        for n in sizes:
+            best = float("inf")
+            for _ in range(repeats + 1):  # the first run warms up the kernels
+                tic = time.perf_counter()
+                out = model(tokens[None, context : context + n], cache=cache)
+                mx.eval(out)
+                best = min(best, time.perf_counter() - tic)
+                for c in cache:
+                    c.trim(n)
+            points[n] = best
+        return cls(points)
+
+
+class Calibration:
+    """Running ratio of accepted to expected draft tokens, which scales the
+    suffix tree's probability estimates (they are frequencies in the trees,
+    often overconfident: one earlier occurrence gives probability 1)."""
+
+    def __init__(self, prior_expected: float = 20.0, prior_ratio: float = 0.8):
+        self.expected = prior_expected
+        self.accepted = prior_expected * prior_ratio
+
+    @property
+    def ratio(self) -> float:
+        return min(1.0, self.accepted / self.expected)
+
+    def update(self, expected: float, accepted: int) -> None:
+        self.expected += expected
+        self.accepted += accepted
+        if self.expected > 2000:  # keep adapting: forget old steps
+            self.expected *= 0.5
+            self.accepted *= 0.5
+
+
+def expected_accepted(probs: Sequence[float], length: int, ratio: float = 1.0) -> float:
+    """Expected accepted tokens of the first ``length`` draft tokens."""
+    return sum(min(1.0, ratio * p) for p in probs[:length])
+
+
+def best_length(
+    probs: Sequence[float], cost: VerifyCost, ratio: float = 1.0, base: int = 1
+) -> int:
+    """Draft length maximising expected committed tokens per second for one
+    sequence; ``0`` when no draft beats a plain step. ``base`` is the number
+    of tokens a forward feeds besides the draft (the last committed token)."""
+    best, best_rate = 0, 1.0 / cost(base)
+    gain = 1.0
+    for i, p in enumerate(probs):
+        gain += min(1.0, ratio * p)
+        rate = gain / cost(base + i + 1)
+        if rate > best_rate:
+            best, best_rate = i + 1, rate
+    return best
+
+
+def best_batch_lengths(
+    probs: List[Sequence[float]], cost: VerifyCost, ratio: float = 1.0
+) -> List[int]:
+    """Draft lengths for the rows of a batch. The longest row sets the
+    forward's shape (every row is padded to ``1 + K``), so one width ``K`` is
+    chosen for the batch to maximise expected committed tokens of all rows
+    per second; each row then drafts ``min(len(its draft), K)``."""
+    B = len(probs)
+    if B == 0:
+        return []
+    k_max = max((len(p) for p in probs), default=0)
+    best_k, best_rate = 0, B / cost(B)
+    for k in range(1, k_max + 1):
+        gain = B + sum(expected_accepted(p, k, ratio) for p in probs)
+        rate = gain / cost(B * (k + 1))
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return [min(len(p), best_k) for p in probs]
+
+
+def histogram(lengths: Dict[int, int]) -> Dict[str, int]:
+    """Draft-length histogram with string keys (JSON)."""
+    return {str(k): v for k, v in sorted(lengths.items())}

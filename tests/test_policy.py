@@ -1,0 +1,107 @@
+"""The cost-aware draft-length policy on synthetic cost curves and
+probability vectors, and the cost model's calibration on a real model."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+
+from mlx_lm_suffix.drafting import SuffixDrafter
+from mlx_lm_suffix.policy import (
+    Calibration,
+    VerifyCost,
+    best_batch_lengths,
+    best_length,
+    expected_accepted,
+)
+
+FLAT = VerifyCost({1: 1.0, 16: 1.1, 32: 1.6, 64: 3.0})  # GPU-like: cheap up to 16
+LINEAR = VerifyCost({1: 1.0, 2: 2.0, 32: 32.0})  # every token costs a full step
+CPU = VerifyCost({1: 118, 2: 119, 4: 146, 8: 158, 16: 194, 32: 281})  # notes.md
+
+
+def test_cost_interpolation_and_extrapolation():
+    assert CPU(1) == 118 and CPU(16) == 194
+    assert CPU(12) == pytest.approx((158 + 194) / 2)
+    assert CPU(64) > CPU(32)  # extrapolated along the last segment
+    assert CPU(0) == 118
+    with pytest.raises(ValueError):
+        VerifyCost({4: 1.0})
+
+
+def _cum(p, n):
+    """Cumulative estimates, as arctic-inference returns them."""
+    return [p ** (i + 1) for i in range(n)]
+
+
+MID = VerifyCost({1: 1.0, 2: 1.2, 4: 1.6, 8: 2.4, 16: 4.0})
+
+
+def test_drafts_long_when_cheap_and_likely():
+    assert best_length([1.0] * 32, FLAT) == 32
+    assert best_length([1.0] * 32, CPU) == 32
+    assert best_length(_cum(0.95, 32), CPU) >= 8
+    assert best_length(_cum(0.98, 16), MID) == 16
+
+
+def test_drafts_short_or_nothing_when_unlikely_or_dear():
+    assert best_length(_cum(0.005, 16), CPU) == 0
+    assert best_length(_cum(0.15, 16), MID) == 0  # 1.15 tokens for 1.2 steps
+    assert best_length(_cum(0.6, 16), MID) <= 2
+    # When verification costs a full step per token, no uncertain draft pays.
+    assert best_length(_cum(0.9, 8), LINEAR) == 0
+    # Sure tokens then unlikely ones: stop where the next token stops paying.
+    k = best_length([1.0, 1.0, 1.0, 0.3, 0.05, 0.01, 0.001], MID)
+    assert k == 3
+
+
+def test_probability_scale_shortens_drafts():
+    probs = _cum(0.97, 16)
+    assert best_length(probs, MID, ratio=1.0) > 8
+    assert best_length(probs, MID, ratio=0.1) == 0
+    assert expected_accepted([0.9] * 4, 4, ratio=0.5) == pytest.approx(1.8)
+    c = Calibration()
+    for _ in range(50):
+        c.update(expected=10.0, accepted=2)
+    assert c.ratio < 0.3
+
+
+def test_batch_width_accounts_for_longest_row():
+    # One confident long row and seven rows with nothing: the whole batch
+    # pays for the long row's width, so it is kept short on a linear curve...
+    rows = [[1.0] * 16] + [[] for _ in range(7)]
+    assert best_batch_lengths(rows, LINEAR) == [0] * 8
+    # ...and long where verification is nearly free.
+    free = VerifyCost({1: 1.0, 256: 1.0})
+    assert best_batch_lengths(rows, free) == [16] + [0] * 7
+    # Rows with drafts shorter than the chosen width keep their length.
+    assert best_batch_lengths([[1.0] * 3, [1.0] * 10], free) == [3, 10]
+    assert best_batch_lengths([], CPU) == []
+
+
+def test_drafter_applies_policy_and_records_stats():
+    cheap = SuffixDrafter(cost=FLAT)
+    dear = SuffixDrafter(cost=LINEAR)
+    fixed = SuffixDrafter(cost=LINEAR, policy="fixed")
+    for d in (cheap, dear, fixed):
+        r = d.start([1, 2, 3])
+        d.commit(r, list(range(10, 40)))
+        d.finish(r)
+        q = d.start([4])
+        d.commit(q, [10, 11, 12, 13, 14, 15, 16, 17, 18, 19])
+        d.record(drafted=4, accepted=3, expected=3.5)
+    lens = [len(d.draft(q)) for d, q in ((cheap, 1), (dear, 1), (fixed, 1))]
+    assert lens[0] > 0 and lens[1] == 0 and lens[2] == lens[0]
+    snap = fixed.snapshot()
+    assert snap["lengths"] == {"4": 1} and snap["expected_acceptance_rate"] == 0.875
+    with pytest.raises(ValueError, match="policy"):
+        SuffixDrafter(policy="greedy")
+
+
+def test_calibration_on_the_loaded_model(tiny_model_path):
+    model, _ = load(str(tiny_model_path))
+    model.set_dtype(mx.float32)
+    cost = VerifyCost.calibrate(model, sizes=(1, 4, 16), context=32, repeats=1)
+    assert set(cost.points) == {1, 4, 16} and all(v > 0 for v in cost.points.values())
+    before = cost(16)
+    cost.observe(16, before * 3)
+    assert cost(16) > before
