@@ -34,6 +34,22 @@ class _Loader(importlib.abc.Loader):
         self._loader.exec_module(module)
         _apply(self._name, module)
 
+    def get_code(self, fullname: str):
+        # runpy (`python -m mlx_lm.server`, `python -m mlx_lm.generate`) runs
+        # a module's code as __main__, which would bypass the patch: run the
+        # patched module's main() instead.
+        source = (
+            f"import importlib as _importlib\n"
+            f"_module = _importlib.import_module({fullname!r})\n"
+            f"if __name__ == '__main__':\n"
+            f"    _module.main()\n"
+        )
+        return compile(source, self._loader.get_filename(fullname), "exec")
+
+    def __getattr__(self, name: str) -> Any:
+        # get_source, get_filename, is_package, get_resource_reader, ...
+        return getattr(self._loader, name)
+
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(

@@ -10,12 +10,19 @@ mlx-lm. Written against mlx-lm 0.32.2; each patch names what it relies on.
 - ``mlx_lm.generate.setup_arg_parser`` / ``generate``: the
   ``mlx_lm.generate --suffix-draft`` flags and the drafting stats printed with
   ``--verbose``.
+- ``mlx_lm.server`` (:func:`patch_server`): ``--draft suffix`` and the
+  ``--suffix-*`` options, batched verification in the server's
+  ``BatchGenerator``, suffix drafting on its single-request path, per-request
+  ``num_draft_tokens``/``draft_model``/scope, usage counters, ``GET
+  /v1/suffix/stats`` and the cache file. The logic is in
+  :mod:`mlx_lm_suffix.serving` and :mod:`mlx_lm_suffix.batch`.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import sys
 from types import ModuleType
 from typing import Any, Optional
@@ -237,9 +244,175 @@ def patch_generate(module: ModuleType) -> None:
             package.generate = generate
 
 
+class _ServerArgumentParser(argparse.ArgumentParser):
+    """``mlx_lm.server``'s parser with ``--draft suffix`` and ``--suffix-*``
+    added when it parses (stock ``main()`` adds its own options first)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        from . import serving
+
+        if not getattr(self, "_mlx_lm_suffix_ready", False):
+            self._mlx_lm_suffix_ready = True
+            serving.add_server_arguments(self)
+        ns, extras = super().parse_known_args(args, namespace)
+        serving.finalize_server_args(self, ns)
+        return ns, extras
+
+
+class _ServerArgparse(ModuleType):
+    """``argparse`` as seen from ``mlx_lm.server``: the real module, except
+    that ``ArgumentParser`` is :class:`_ServerArgumentParser`."""
+
+    ArgumentParser = _ServerArgumentParser
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(argparse, name)
+
+
 def patch_server(module: ModuleType) -> None:
-    """Patch ``mlx_lm.server`` (mlx-lm 0.32.2: the ``stream_generate`` name it
-    imported from ``mlx_lm.generate``)."""
+    """Patch ``mlx_lm.server`` for ``--draft suffix`` (mlx-lm 0.32.2).
+
+    Thin wrappers; the logic is in :mod:`mlx_lm_suffix.serving` (state, CLI,
+    requests, persistence) and :mod:`mlx_lm_suffix.batch` (batched
+    verification). Each wrapper passes straight through to stock unless the
+    server was started with ``--draft suffix``, except that a request for
+    ``draft_model: "suffix"`` on a stock server gets HTTP 400 instead of an
+    attempt to load a model called "suffix".
+    """
+    if getattr(module, "_mlx_lm_suffix_patched", False):
+        return
+    from . import serving
+
     generate_module = sys.modules["mlx_lm.generate"]
     patch_generate(generate_module)
-    module.stream_generate = generate_module.stream_generate
+    stock_stream_generate = generate_module.stream_generate  # patched: takes SuffixDrafter
+
+    # main() builds `argparse.ArgumentParser(...)` by the module-global name
+    # `argparse` and calls `parser.parse_args()` once all options are added.
+    module.argparse = _ServerArgparse("argparse")
+
+    # run(host, port, model_provider): start-up checks of the cache file,
+    # background saver, SIGTERM handler and final save around stock `run`.
+    stock_run = module.run
+
+    @functools.wraps(stock_run)
+    def run(host, port, model_provider, *args, **kwargs):
+        state = serving.state_for(model_provider.cli_args)
+        if state is None:
+            return stock_run(host, port, model_provider, *args, **kwargs)
+        serving.prepare_run(state)
+        with state.lifetime():
+            return stock_run(host, port, model_provider, *args, **kwargs)
+
+    module.run = run
+
+    # main(): parses the CLI and calls run(...) until Ctrl-C (or SIGTERM,
+    # see run above). After a suffix server's orderly shutdown, exit at once.
+    stock_main = module.main
+
+    @functools.wraps(stock_main)
+    def main():
+        stock_main()
+        serving.exit_after_shutdown()
+
+    module.main = main
+
+    # ModelProvider._load(model_path, adapter_path, draft_model_path) loads
+    # and sets self.model/tokenizer/model_key: register the model's drafter.
+    provider_cls = module.ModelProvider
+    stock_load = provider_cls._load
+
+    @functools.wraps(stock_load)
+    def _load(self, model_path, adapter_path=None, draft_model_path=None):
+        stock_load(self, model_path, adapter_path, draft_model_path)
+        serving.on_model_loaded(self, model_path, adapter_path)
+
+    provider_cls._load = _load
+
+    # ResponseGenerator._generate creates `BatchGenerator(model, ...)` by the
+    # module-global name: a suffix batch generator for suffix servers' models.
+    stock_batch_generator = module.BatchGenerator
+
+    def BatchGenerator(model, **kwargs):
+        return serving.make_batch_generator(stock_batch_generator, model, **kwargs)
+
+    module.BatchGenerator = BatchGenerator
+
+    # ResponseGenerator._tokenize(tokenizer, request, args) -> (prompt, ...)
+    # runs, in the generation thread, right before the request is inserted
+    # into the batch (insert_segments) or served by _serve_single.
+    rg_cls = module.ResponseGenerator
+    stock_tokenize = rg_cls._tokenize
+
+    @functools.wraps(stock_tokenize)
+    def _tokenize(self, tokenizer, request, args):
+        result = stock_tokenize(self, tokenizer, request, args)
+        serving.note_prompt(self.model_provider.cli_args, request, result[0])
+        return result
+
+    rg_cls._tokenize = _tokenize
+
+    # _serve_single calls the module-global `stream_generate(model=...,
+    # tokenizer=..., prompt=rest, ..., draft_model=provider.draft_model,
+    # num_draft_tokens=...)`.
+    @functools.wraps(stock_stream_generate)
+    def stream_generate(model, tokenizer, prompt, max_tokens=256, draft_model=None, **kwargs):
+        return serving.single_stream_generate(
+            stock_stream_generate, model, tokenizer, prompt, max_tokens, draft_model, kwargs
+        )
+
+    module.stream_generate = stream_generate
+
+    # APIHandler.validate_model_parameters(): called by do_POST once the body
+    # fields are attributes; a ValueError becomes HTTP 400 with its message.
+    handler_cls = module.APIHandler
+    stock_validate = handler_cls.validate_model_parameters
+
+    @functools.wraps(stock_validate)
+    def validate_model_parameters(self):
+        self._mlx_lm_suffix = None
+        stock_validate(self)
+        self._mlx_lm_suffix = serving.request_info(self)
+
+    handler_cls.validate_model_parameters = validate_model_parameters
+
+    # APIHandler.handle_completion(request, stop_words): the CompletionRequest
+    # travels to the generation thread; it carries the request's suffix info.
+    stock_handle_completion = handler_cls.handle_completion
+
+    @functools.wraps(stock_handle_completion)
+    def handle_completion(self, request, stop_words):
+        serving.attach_request_info(request, getattr(self, "_mlx_lm_suffix", None))
+        return stock_handle_completion(self, request, stop_words)
+
+    handler_cls.handle_completion = handle_completion
+
+    # APIHandler.generate_response(...) / completion_usage_response(...)
+    # return the response dicts; add the draft counters to their "usage".
+    for name in ("generate_response", "completion_usage_response"):
+        stock_method = getattr(handler_cls, name)
+
+        def method(self, *args, _stock=stock_method, **kwargs):
+            response = _stock(self, *args, **kwargs)
+            return serving.add_usage(response, getattr(self, "_mlx_lm_suffix", None))
+
+        setattr(handler_cls, name, functools.wraps(stock_method)(method))
+
+    # APIHandler.do_GET(): GET /v1/suffix/stats on suffix servers.
+    stock_do_get = handler_cls.do_GET
+
+    @functools.wraps(stock_do_get)
+    def do_GET(self):
+        state = serving.state_for(self.response_generator.cli_args)
+        if state is None or not serving.is_stats_path(self.path):
+            return stock_do_get(self)
+        body = json.dumps(state.stats_payload()).encode()
+        self._set_completion_headers(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.wfile.flush()
+
+    handler_cls.do_GET = do_GET
+
+    module._mlx_lm_suffix_patched = True

@@ -20,7 +20,6 @@ from typing import Dict, List, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
 
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -71,6 +70,9 @@ class VerifyCost:
     ) -> "VerifyCost":
         """Time forwards of ``sizes`` tokens after a ``context``-token prefix
         on a scratch cache (the best of ``repeats`` runs each)."""
+        # Imported here: mlx_lm's import runs our patches, which import this.
+        from mlx_lm.models.cache import make_prompt_cache
+
         vocab = getattr(getattr(model, "args", None), "vocab_size", 32)
         tokens = mx.arange(context + max(sizes)) % vocab
         points = {}

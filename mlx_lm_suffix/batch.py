@@ -1,0 +1,594 @@
+"""Batched suffix decoding on top of mlx-lm's continuous batching.
+
+:class:`SuffixGenerationBatch` is a drop-in ``mlx_lm.generate.GenerationBatch``
+whose :meth:`~SuffixGenerationBatch.next` verifies drafts for every row in
+one forward, and :class:`SuffixBatchGenerator` is a ``BatchGenerator`` that
+uses it. Written against mlx-lm 0.32.2.
+
+One step, for a batch of ``B`` rows:
+
+1. Every row has a *pending* token ``p_i``: the target's choice after the
+   row's last emitted token (``GenerationBatch._next_tokens``), not yet in
+   the KV cache. It is emitted this step whatever happens, so it is fed to the
+   row's drafter first and the row drafts ``d_i`` (any length, possibly none)
+   from its context ``... p_i``. Drafts are capped by the row's remaining
+   ``max_tokens``, the context limit, and its own ``num_draft_tokens``; with
+   the drafter's adaptive policy, one width for the whole batch is chosen
+   from the drafts' probabilities and the measured verification cost.
+2. No row drafted: the exact stock single-token step (with its asynchronous
+   pipelining). Otherwise every row's ``[p_i] + d_i`` is right-padded to the
+   longest ``1 + K`` and the batch runs one forward of shape ``(B, 1 + K)``.
+   Logits processors run per position over the row's accepted prefix, and
+   each row samples all its positions.
+3. Row ``i`` accepts the longest prefix ``a_i`` of ``d_i`` that equals the
+   sampled tokens, emits ``[p_i] + d_i[:a_i]`` and keeps the sampled token
+   after them as its next pending token. The batch KV cache drops each row's
+   ``K - a_i`` rejected positions (padding included) with
+   :func:`~mlx_lm_suffix.verification.rollback_batch`.
+4. Emitted tokens pass, one at a time and in order, through the row's stop
+   sequence matcher and ``max_tokens`` count, exactly as stock does. A row
+   that finishes in the middle of its accepted tokens emits nothing after the
+   finishing token, and its returned KV cache and ``all_tokens`` are trimmed
+   to the tokens it emitted.
+
+Invariants kept between steps (the same as stock): ``self.tokens[i]`` equals
+the tokens in row ``i``'s KV cache, which are the prompt plus every emitted
+token; the pending token is not in the cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.models.cache import TokenBuffer, trim_prompt_cache
+
+from .drafting import Draft, SuffixDrafter
+from .generation import context_limit
+from .policy import best_batch_lengths
+from .verification import accepted_length, can_rollback_batch, rollback_batch
+
+__all__ = [
+    "BatchDraftStats",
+    "RequestUsage",
+    "RowOptions",
+    "SuffixBatchGenerator",
+    "SuffixGenerationBatch",
+]
+
+logger = logging.getLogger(__name__)
+
+# Roll the common left padding out of the batch cache once every row has at
+# least this much (a copy of the cache, so not every step).
+COMPACT_LEFT_PADDING = 64
+
+
+@dataclass
+class RequestUsage:
+    """Per-request drafting counters, updated by the generation thread."""
+
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+
+
+@dataclass
+class RowOptions:
+    """How one sequence of a :class:`SuffixBatchGenerator` drafts.
+
+    Args:
+        num_draft_tokens: Most tokens drafted per step; ``0`` turns drafting
+            off (the response is still added to the drafter's cache).
+        scope: The drafter's cache partition (see ``SuffixDrafter.start``).
+        prompt: The whole prompt for the request's own suffix tree. Default:
+            the tokens in the sequence's cache when generation starts, which
+            is the whole prompt when ``all_tokens`` covers any cached prefix.
+        usage: Counters updated in place while the sequence generates.
+        use_drafter: ``False``: the sequence does not touch the drafter at
+            all (no drafting, nothing cached).
+    """
+
+    num_draft_tokens: Optional[int] = None
+    scope: Hashable = None
+    prompt: Optional[Sequence[int]] = None
+    usage: Optional[RequestUsage] = None
+    use_drafter: bool = True
+
+
+@dataclass
+class BatchDraftStats:
+    """Counters of a suffix batch: forwards by kind and batch sizes seen."""
+
+    verify_steps: int = 0
+    plain_steps: int = 0
+    verify_rows: int = 0
+    max_batch_size: int = 0
+    max_verify_batch_size: int = 0
+    uneven_rollbacks: int = 0
+    compactions: int = 0
+    finish_trims: int = 0
+
+    def as_dict(self) -> Dict[str, Any]:
+        d = dict(self.__dict__)
+        d["mean_verify_batch_size"] = (
+            self.verify_rows / self.verify_steps if self.verify_steps else 0.0
+        )
+        return d
+
+    def merge(self, other: "BatchDraftStats") -> None:
+        for k in (
+            "verify_steps",
+            "plain_steps",
+            "verify_rows",
+            "uneven_rollbacks",
+            "compactions",
+            "finish_trims",
+        ):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        self.max_batch_size = max(self.max_batch_size, other.max_batch_size)
+        self.max_verify_batch_size = max(self.max_verify_batch_size, other.max_verify_batch_size)
+
+
+class SuffixGenerationBatch(GenerationBatch):
+    """A ``GenerationBatch`` that verifies per-row suffix drafts in one
+    forward per step (see the module docstring).
+
+    Extra keyword arguments (all optional): ``drafter``, ``row_options``
+    (``uid -> RowOptions`` for rows not yet admitted; consumed by
+    :meth:`extend`), ``default_options``, ``max_context`` and ``stats``.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        drafter: Optional[SuffixDrafter] = None,
+        row_options: Optional[Dict[int, RowOptions]] = None,
+        default_options: Optional[RowOptions] = None,
+        max_context: Optional[int] = None,
+        stats: Optional[BatchDraftStats] = None,
+        **kwargs: Any,
+    ):
+        self.drafter = drafter
+        self.row_options = row_options if row_options is not None else {}
+        self.default_options = default_options or RowOptions()
+        self.max_context = max_context
+        self.draft_stats = stats if stats is not None else BatchDraftStats()
+        self._warned_rollback = False
+        # Pending tokens already fed to the drafters (by next()).
+        self._precommitted = False
+        uids = kwargs.get("uids", args[1] if len(args) > 1 else [])
+        self._req: List[Optional[int]] = [None] * len(uids)
+        self._k: List[int] = [0] * len(uids)
+        self._usage: List[Optional[RequestUsage]] = [None] * len(uids)
+        self._expected: List[float] = []
+        super().__init__(*args, **kwargs)
+
+    @classmethod
+    def empty(cls, model: nn.Module, fallback_sampler: Any, **kwargs: Any):
+        return cls(
+            model=model,
+            fallback_sampler=fallback_sampler,
+            uids=[],
+            inputs=mx.array([], dtype=mx.uint32),
+            prompt_cache=[],
+            tokens=[],
+            samplers=[],
+            logits_processors=[],
+            max_tokens=[],
+            stop_sequences=[],
+            **kwargs,
+        )
+
+    # ---------------------------------------------------------- row set
+    def extend(self, batch: GenerationBatch) -> None:
+        n0 = len(self.uids)
+        super().extend(batch)
+        if isinstance(batch, SuffixGenerationBatch):
+            self._req.extend(batch._req)
+            self._k.extend(batch._k)
+            self._usage.extend(batch._usage)
+            batch._req = [None] * len(batch._req)  # now owned by self
+            return
+        for i in range(n0, len(self.uids)):
+            opts = self.row_options.pop(self.uids[i], None) or self.default_options
+            req = None
+            k = 0
+            if self.drafter is not None and opts.use_drafter:
+                prompt = opts.prompt if opts.prompt is not None else self.tokens[i]
+                req = self.drafter.start(prompt, scope=opts.scope)
+                k = opts.num_draft_tokens
+                if k is None:
+                    k = self.drafter.num_draft_tokens
+            self._req.append(req)
+            self._k.append(k)
+            self._usage.append(opts.usage)
+
+    def filter(self, keep: List[int]) -> None:
+        kept = set(keep)
+        for i, req in enumerate(self._req):
+            if i not in kept and req is not None:
+                self.drafter.finish(req)
+        super().filter(keep)
+        self._req = [self._req[i] for i in keep]
+        self._k = [self._k[i] for i in keep]
+        self._usage = [self._usage[i] for i in keep]
+
+    def finish_all(self) -> None:
+        """Stop every row's drafter request (the rows stay in the batch)."""
+        for i, req in enumerate(self._req):
+            if req is not None:
+                self.drafter.finish(req)
+                self._req[i] = None
+
+    # ------------------------------------------------------------- steps
+    def _record(
+        self,
+        drafted: Sequence[int],
+        accepted: Sequence[int],
+        emitted: Optional[Sequence[int]] = None,
+        expected: Optional[Sequence[float]] = None,
+    ) -> None:
+        """Count one step of every drafting row: its draft length, how many
+        draft tokens verification accepted (``emitted``: how many of those
+        the row emitted before finishing) and the trees' probability sum."""
+        emitted = accepted if emitted is None else emitted
+        plain = 0
+        for i, req in enumerate(self._req):
+            if req is None:
+                continue
+            usage = self._usage[i]
+            if usage is not None:
+                usage.steps += 1
+                usage.drafted += drafted[i]
+                usage.accepted += emitted[i]
+            if drafted[i]:
+                self.drafter.record(
+                    drafted=drafted[i],
+                    accepted=accepted[i],
+                    steps=1,
+                    expected=expected[i] if expected is not None else 0.0,
+                )
+            else:
+                plain += 1
+        if plain:
+            self.drafter.record(steps=plain)
+
+    def _step(self) -> Tuple[List[int], List[mx.array]]:
+        # The stock single-token step; feed the emitted tokens to the drafters.
+        tokens, logprobs = super()._step()
+        if not self._precommitted:
+            for req, t in zip(self._req, tokens):
+                if req is not None:
+                    self.drafter.commit(req, [t])
+        self._precommitted = False
+        zeros = [0] * len(tokens)
+        self._record(zeros, zeros)
+        self.draft_stats.plain_steps += 1
+        self.draft_stats.max_batch_size = max(self.draft_stats.max_batch_size, len(tokens))
+        return tokens, logprobs
+
+    def _can_draft(self) -> bool:
+        if self.drafter is None or not any(
+            req is not None and k > 0 for req, k in zip(self._req, self._k)
+        ):
+            return False
+        if not can_rollback_batch(self.prompt_cache):
+            if not self._warned_rollback:
+                self._warned_rollback = True
+                kinds = sorted({type(c).__name__ for c in self.prompt_cache})
+                logger.warning(
+                    "mlx-lm-suffix: batched KV cache (%s) cannot roll rows back; "
+                    "batched requests generate without drafting.",
+                    ", ".join(kinds),
+                )
+            return False
+        return True
+
+    def _drafts(self, pending: List[int]) -> List[List[int]]:
+        """Feed each row's pending token to its drafter and draft after it.
+        (The trees' probability sum of each draft goes to ``_expected``.)
+
+        With the drafter's adaptive policy, one draft width ``K`` is chosen
+        for the whole batch (the longest row sets the forward's shape) to
+        maximise expected committed tokens per second of all rows
+        (:func:`~mlx_lm_suffix.policy.best_batch_lengths`)."""
+        adaptive = getattr(self.drafter, "policy", "fixed") == "adaptive"
+        if adaptive:
+            self.drafter.ensure_cost(self.model)  # once per drafter
+        offsets = None
+        if self.max_context is not None:
+            offsets = self.prompt_cache[0].offset.tolist()
+        drafts: List[Draft] = []
+        for i, (req, k) in enumerate(zip(self._req, self._k)):
+            if req is None:
+                drafts.append(Draft())
+                continue
+            self.drafter.commit(req, [pending[i]])
+            # Room after the pending token: max_tokens, context, stop.
+            room = self.max_tokens[i] - self._num_tokens[i] - 1
+            if offsets is not None:
+                room = min(room, self.max_context - offsets[i] - 1)
+            if k > 0 and room > 0:
+                matcher = copy.copy(self._matchers[i])
+                if matcher.advance(pending[i]):
+                    room = 0
+            k = min(k, room)
+            drafts.append(self.drafter.draft(req, k) if k > 0 else Draft())
+        if adaptive and self.drafter.cost is not None and any(drafts):
+            lengths = best_batch_lengths(
+                [d.probs for d in drafts], self.drafter.cost, self.drafter.calibration.ratio
+            )
+            drafts = [d.truncate(n) for d, n in zip(drafts, lengths)]
+        self._expected = [float(sum(d.probs)) for d in drafts]
+        return [d.tokens for d in drafts]
+
+    def next(self) -> List[GenerationBatch.Response]:
+        if not self.uids:
+            return []
+        if not self._can_draft():
+            return super().next()
+        pending = self._next_tokens.tolist()
+        drafts = self._drafts(pending)
+        if not any(drafts):
+            self._precommitted = True
+            return super().next()
+        return self._verify(pending, drafts)
+
+    def _process_logits(
+        self, logits: mx.array, pending: List[int], drafts: List[List[int]]
+    ) -> mx.array:
+        """Apply each row's logits processors position by position, with the
+        row's tokens up to and including the one fed at that position."""
+        width = logits.shape[1]
+        rows = []
+        for i, processors in enumerate(self.logits_processors):
+            if not processors:
+                rows.append(logits[i])
+                continue
+            n0 = len(self.tokens[i])
+            seq = mx.array(self.tokens[i] + [pending[i]] + drafts[i], dtype=mx.int32)
+            out = []
+            for j in range(width):
+                row = logits[i, j : j + 1]
+                if j <= len(drafts[i]):
+                    context = seq[: n0 + j + 1]
+                    for processor in processors:
+                        row = processor(context, row)
+                out.append(row)
+            rows.append(mx.concatenate(out, axis=0))
+        return mx.stack(rows)
+
+    def _sample(self, logprobs: mx.array) -> mx.array:
+        B, W, V = logprobs.shape
+        samplers = [
+            self.fallback_sampler if s is None else s for s in (self.samplers or [None] * B)
+        ]
+        if all(s is samplers[0] for s in samplers):
+            return samplers[0](logprobs.reshape(B * W, V)).reshape(B, W)
+        return mx.stack([s(logprobs[i]) for i, s in enumerate(samplers)])
+
+    def _verify(
+        self, pending: List[int], drafts: List[List[int]]
+    ) -> List[GenerationBatch.Response]:
+        B = len(self.uids)
+        K = max(len(d) for d in drafts)
+        inputs = mx.array(
+            [[p] + d + [0] * (K - len(d)) for p, d in zip(pending, drafts)],
+            dtype=mx.uint32,
+        )
+        tic = time.perf_counter()
+        logits = self.model(inputs, cache=self.prompt_cache)
+        if any(self.logits_processors):
+            logits = self._process_logits(logits, pending, drafts)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        sampled = self._sample(logprobs)
+        mx.eval(sampled, logprobs)
+        if getattr(self.drafter, "cost", None) is not None:
+            self.drafter.cost.observe(inputs.size, time.perf_counter() - tic)
+        targets = sampled.tolist()
+
+        accepted = [accepted_length(d, t[: len(d) + 1]) for d, t in zip(drafts, targets)]
+        rejected = [K - a for a in accepted]
+        rollback_batch(self.prompt_cache, rejected)
+        stats = self.draft_stats
+        stats.verify_steps += 1
+        stats.verify_rows += B
+        stats.max_batch_size = max(stats.max_batch_size, B)
+        stats.max_verify_batch_size = max(stats.max_verify_batch_size, B)
+        if len(set(rejected)) > 1:
+            stats.uneven_rollbacks += 1
+        self._maybe_compact()
+
+        prev_logprobs = self._next_logprobs
+        self._current_tokens = mx.array(pending, dtype=mx.uint32)
+        self._current_logprobs = prev_logprobs
+        self._next_tokens = sampled[mx.arange(B), mx.array(accepted)]
+        self._next_logprobs = [logprobs[i, a] for i, a in enumerate(accepted)]
+
+        responses = []
+        keep = []
+        used = [0] * B
+        for i in range(B):
+            emitted = [pending[i]] + drafts[i][: accepted[i]]
+            finish_reason = None
+            n = 0
+            for t in emitted:
+                n += 1
+                self._num_tokens[i] += 1
+                if self._num_tokens[i] >= self.max_tokens[i]:
+                    finish_reason = "length"
+                if self._matchers[i].advance(t):
+                    finish_reason = "stop"
+                if finish_reason is not None:
+                    break
+            used[i] = n - 1
+            req = self._req[i]
+            if req is not None and n > 1:
+                self.drafter.commit(req, emitted[1:n])
+            self.tokens[i].extend(emitted)
+            for j in range(n):
+                last = j == n - 1
+                cache = all_tokens = None
+                if last and finish_reason is not None:
+                    # Leave out accepted tokens after the finishing one.
+                    overflow = len(emitted) - n
+                    cache = self.extract_cache(i)
+                    if overflow:
+                        trim_prompt_cache(cache, overflow)
+                        stats.finish_trims += 1
+                    all_tokens = self.tokens[i][: len(self.tokens[i]) - overflow]
+                responses.append(
+                    self.Response(
+                        uid=self.uids[i],
+                        token=emitted[j],
+                        logprobs=prev_logprobs[i] if j == 0 else logprobs[i, j - 1],
+                        finish_reason=finish_reason if last else None,
+                        prompt_cache=cache,
+                        all_tokens=all_tokens,
+                    )
+                )
+            if finish_reason is None:
+                keep.append(i)
+                if self.logits_processors and self.logits_processors[i]:
+                    self._token_context[i] = TokenBuffer(self.tokens[i])
+
+        self._record([len(d) for d in drafts], accepted, used, self._expected)
+        if len(keep) < B:
+            self.filter(keep)
+        return responses
+
+    def _maybe_compact(self) -> None:
+        """Drop left padding shared by every row (uneven rollbacks add it)."""
+        c = self.prompt_cache[0]
+        if min(c.left_padding.tolist()) >= COMPACT_LEFT_PADDING:
+            keep = list(range(len(self.uids)))
+            for c in self.prompt_cache:
+                c.filter(keep)
+            self.draft_stats.compactions += 1
+
+
+class SuffixBatchGenerator(BatchGenerator):
+    """A ``BatchGenerator`` that drafts with a :class:`SuffixDrafter` and
+    verifies all rows' drafts in one forward per step.
+
+    Args:
+        model: The target model.
+        drafter: The drafter (one per model; shared across generators).
+        num_draft_tokens: Default most tokens drafted per step and row
+            (default: ``drafter.num_draft_tokens``).
+        options_source: Called as ``options_source(segments, all_tokens)``
+            for each sequence inserted without explicit ``options``; returns
+            its :class:`RowOptions` (or ``None`` for the defaults).
+        kwargs: As for ``BatchGenerator``.
+
+    ``insert``/``insert_segments`` take an extra ``options`` argument: one
+    :class:`RowOptions` (or ``None``) per sequence.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        drafter: SuffixDrafter,
+        *,
+        num_draft_tokens: Optional[int] = None,
+        options_source: Optional[Callable[[Any, Any], Optional[RowOptions]]] = None,
+        stats: Optional[BatchDraftStats] = None,
+        **kwargs: Any,
+    ):
+        super().__init__(model, **kwargs)
+        self.drafter = drafter
+        self.options_source = options_source
+        self.draft_stats = stats if stats is not None else BatchDraftStats()
+        self._row_options: Dict[int, RowOptions] = {}
+        self._generation_batch = SuffixGenerationBatch.empty(
+            self.model,
+            self.sampler,
+            drafter=drafter,
+            row_options=self._row_options,
+            default_options=RowOptions(num_draft_tokens=num_draft_tokens),
+            max_context=context_limit(model, self.max_kv_size),
+            stats=self.draft_stats,
+        )
+
+    def insert(
+        self,
+        prompts: List[List[int]],
+        max_tokens: Optional[List[int]] = None,
+        caches: Optional[List[List[Any]]] = None,
+        all_tokens: Optional[List[List[int]]] = None,
+        samplers: Optional[List[Any]] = None,
+        logits_processors: Optional[List[List[Any]]] = None,
+        stop_sequences: Optional[List[Any]] = None,
+        options: Optional[List[Optional[RowOptions]]] = None,
+    ):
+        return self.insert_segments(
+            [[p] for p in prompts],
+            max_tokens,
+            caches,
+            all_tokens,
+            samplers,
+            logits_processors,
+            stop_sequences,
+            options=options,
+        )
+
+    def insert_segments(
+        self,
+        segments: List[List[List[int]]],
+        max_tokens: Optional[List[int]] = None,
+        caches: Optional[List[List[Any]]] = None,
+        all_tokens: Optional[List[List[int]]] = None,
+        samplers: Optional[List[Any]] = None,
+        logits_processors: Optional[List[List[Any]]] = None,
+        stop_sequences: Optional[List[Any]] = None,
+        options: Optional[List[Optional[RowOptions]]] = None,
+    ):
+        if options is not None and len(options) != len(segments):
+            raise ValueError(
+                f"Option options must have one entry per segment: expected "
+                f"{len(segments)}, got {len(options)}."
+            )
+        if options is None and self.options_source is not None:
+            options = [
+                self.options_source(seg, at)
+                for seg, at in zip(segments, all_tokens or [[] for _ in segments])
+            ]
+        uids = super().insert_segments(
+            segments,
+            max_tokens,
+            caches,
+            all_tokens,
+            samplers,
+            logits_processors,
+            stop_sequences,
+        )
+        for uid, opts in zip(uids, options or []):
+            if opts is not None:
+                self._row_options[uid] = opts
+        return uids
+
+    def remove(self, uids, return_prompt_caches=False):
+        caches = super().remove(uids, return_prompt_caches=return_prompt_caches)
+        for uid in uids:
+            self._row_options.pop(uid, None)
+        return caches
+
+    def _next(self):
+        try:
+            return super()._next()
+        except BaseException:
+            # The generator is unusable now: stop every drafter request.
+            self._generation_batch.finish_all()
+            raise
+
+    def close(self):
+        gen = getattr(self, "_generation_batch", None)
+        if isinstance(gen, SuffixGenerationBatch):
+            gen.finish_all()
+        super().close()

@@ -1,0 +1,675 @@
+"""Server-side state of ``mlx_lm.server --draft suffix``.
+
+Everything here is plain logic called from the thin patches in
+:mod:`mlx_lm_suffix.integration` (``patch_server``):
+
+- CLI: :func:`add_server_arguments` / :func:`finalize_server_args`.
+- :class:`SuffixServing`, one per server (its parsed CLI namespace): a drafter
+  per loaded model (kept for the server's lifetime, so switching models back
+  and forth keeps each model's cache), the cache file, and the stats.
+- Requests: :func:`request_info` validates the per-request fields and
+  computes the cache scope; :func:`note_prompt` / :func:`batch_row_options`
+  carry it from the tokenizer call to the batch row (same thread);
+  :func:`single_stream_generate` routes the server's single-request path to
+  suffix decoding.
+- Persistence: the cache file is read at start-up, saved by a background
+  thread at most every :data:`SAVE_INTERVAL_S` seconds after requests
+  finish, on SIGTERM and on shutdown; always atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple
+from urllib.parse import urlsplit
+
+from .batch import BatchDraftStats, RequestUsage, RowOptions, SuffixBatchGenerator
+from .drafting import (
+    DEFAULT_NUM_DRAFT_TOKENS,
+    POLICIES,
+    CacheFileError,
+    SuffixDrafter,
+    read_cache_file,
+)
+
+logger = logging.getLogger("mlx_lm_suffix.serving")
+
+SUFFIX = "suffix"
+SCOPES = ("global", "user")
+STATS_PATH = "/v1/suffix/stats"
+#: Least time between two background saves of the cache file.
+SAVE_INTERVAL_S = float(os.environ.get("MLX_LM_SUFFIX_SAVE_INTERVAL", "5"))
+#: Usage fields added to each response.
+USAGE_DRAFTED = "draft_tokens"
+USAGE_ACCEPTED = "accepted_draft_tokens"
+_STATE_ATTR = "_mlx_lm_suffix_serving"
+_REQUEST_ATTR = "_mlx_lm_suffix"
+_MODEL_ATTR = "_mlx_lm_suffix_server_entry"
+
+
+# --------------------------------------------------------------------- CLI
+def add_server_arguments(parser: Any) -> None:
+    """Add ``--draft suffix`` and the ``--suffix-*`` options to the server's
+    parser (called before it parses)."""
+    from .integration import add_drafter_arguments
+
+    parser._suffix_stock_num_draft_tokens = parser.get_default("num_draft_tokens")
+    parser.add_argument(
+        "--draft",
+        choices=[SUFFIX],
+        default=None,
+        help="Speculative decoding without a draft model: 'suffix' drafts from "
+        "suffix trees of the prompt and of earlier responses (mlx-lm-suffix). "
+        f"--num-draft-tokens defaults to {DEFAULT_NUM_DRAFT_TOKENS} with it.",
+    )
+    parser.set_defaults(num_draft_tokens=None)
+    add_drafter_arguments(parser)
+    group = parser.add_argument_group("suffix decoding server options (mlx-lm-suffix)")
+    if "--suffix-policy" not in parser._option_string_actions:
+        group.add_argument(
+            "--suffix-policy",
+            choices=list(POLICIES),
+            default="adaptive",
+            help="'adaptive': each step's draft width is chosen from the trees' "
+            "probabilities and the measured cost of verifying it (per batch for "
+            "concurrent requests); 'fixed': draft as long as the trees allow "
+            "(up to --num-draft-tokens). Default: adaptive",
+        )
+    group.add_argument(
+        "--suffix-cache-scope",
+        choices=list(SCOPES),
+        default="global",
+        help="'global': every request drafts from all earlier responses. 'user': "
+        "only from the same caller's (the request's 'user' field and/or its "
+        "'Authorization: Bearer' API key, hashed); a shared cache lets one "
+        "client's speed reveal what other clients' answers contained. "
+        "Default: global",
+    )
+    group.add_argument(
+        "--suffix-cache-file",
+        default=None,
+        metavar="PATH",
+        help="Warm the suffix cache from PATH at start-up and save new responses "
+        "to it (atomically; on shutdown and at most every "
+        f"{SAVE_INTERVAL_S:g} s). A missing or corrupt file starts empty.",
+    )
+
+
+def finalize_server_args(parser: Any, ns: Any) -> None:
+    """Resolve defaults and check the suffix options after parsing."""
+    from .integration import drafter_from_args
+
+    if getattr(ns, "draft_model", None) == SUFFIX:
+        # --draft-model suffix (or the prefix --draft-m...): never a model.
+        ns.draft_model = None
+        ns.draft = SUFFIX
+    suffix = getattr(ns, "draft", None) == SUFFIX
+    if ns.num_draft_tokens is None:
+        ns.num_draft_tokens = (
+            DEFAULT_NUM_DRAFT_TOKENS if suffix else parser._suffix_stock_num_draft_tokens
+        )
+    if not suffix:
+        for flag, value in (
+            ("--suffix-cache-file", ns.suffix_cache_file),
+            ("--suffix-cache-scope user", ns.suffix_cache_scope == "user" or None),
+        ):
+            if value is not None:
+                parser.error(f"{flag} needs --draft suffix")
+        return
+    if ns.draft_model is not None:
+        parser.error("--draft suffix and --draft-model cannot be combined")
+    try:
+        drafter_from_args(ns)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def enabled(cli_args: Any) -> bool:
+    return getattr(cli_args, "draft", None) == SUFFIX
+
+
+# ------------------------------------------------------------- model ids
+def model_id(model_path: str, tokenizer: Any) -> str:
+    """Identify the token ids of a model: its path (resolved) or repo id,
+    plus the vocabulary size and a hash of the vocabulary."""
+    path = Path(model_path).expanduser()
+    name = str(path.resolve()) if path.exists() else str(model_path)
+    vocab = tokenizer.get_vocab()
+    h = hashlib.sha256()
+    for tok, i in sorted(vocab.items(), key=lambda kv: kv[1]):
+        h.update(f"{i}\t{tok}\n".encode("utf-8", "surrogatepass"))
+    return f"{name}|vocab={len(vocab)}|sha256={h.hexdigest()[:16]}"
+
+
+def _stored_model(path: str | os.PathLike) -> Optional[str]:
+    """The model id written in a cache file, or None if unreadable."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if isinstance(data, dict) and data.get("format") == "mlx-lm-suffix-cache":
+        model = data.get("model")
+        return model if isinstance(model, str) else None
+    return None
+
+
+def _drafter(cli_args: Any) -> SuffixDrafter:
+    from .integration import drafter_from_args
+
+    drafter = drafter_from_args(cli_args)
+    policy = getattr(cli_args, "suffix_policy", None)
+    if policy is not None and drafter.policy != policy:
+        drafter.policy = policy  # (argparse checked it is one of POLICIES)
+    return drafter
+
+
+class CacheFileRefused(RuntimeError):
+    """The cache file holds token ids of another model."""
+
+
+# ------------------------------------------------------------------ state
+@dataclass
+class ModelEntry:
+    """Suffix state of one model (one ``ModelProvider.model_key``)."""
+
+    key: Tuple[Any, ...]
+    model_id: str
+    drafter: Optional[SuffixDrafter]  # None: the model cannot roll back
+    batch_stats: BatchDraftStats = field(default_factory=BatchDraftStats)
+    persisted: bool = False
+
+
+@dataclass
+class RequestInfo:
+    """What the HTTP handler decided for one request."""
+
+    drafting: bool
+    num_draft_tokens: int
+    scope: Hashable
+    usage: RequestUsage = field(default_factory=RequestUsage)
+
+
+class SuffixServing:
+    """State of one ``mlx_lm.server --draft suffix``."""
+
+    def __init__(self, cli_args: Any):
+        self.cli_args = cli_args
+        self.scope = getattr(cli_args, "suffix_cache_scope", "global") or "global"
+        self.cache_file = getattr(cli_args, "suffix_cache_file", None)
+        self.num_draft_tokens = cli_args.num_draft_tokens
+        self._new_drafter = lambda: _drafter(cli_args)
+        self._lock = threading.RLock()
+        self.entries: Dict[Tuple[Any, ...], ModelEntry] = {}
+        # Persistence
+        self._file_checked = False
+        self._file_model: Optional[str] = None  # model id the file belongs to
+        self._file_responses: List[Tuple[Any, List[int]]] = []
+        self._file_disabled = False
+        self._persisted: Optional[ModelEntry] = None
+        self._saved_signature: Any = None
+        self._save_lock = threading.RLock()
+        self._stop_saver = threading.Event()
+        self._saver: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------ models
+    def on_model_loaded(
+        self, model_path: str, adapter_path: Any, model: Any, tokenizer: Any, key: Any
+    ) -> ModelEntry:
+        """Register (or find again) the drafter of a model just loaded."""
+        from mlx_lm.generate import _merge_caches
+        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+        from .verification import can_rollback_batch
+
+        with self._lock:
+            entry = self.entries.get(key)
+            if entry is None:
+                mid = model_id(model_path, tokenizer)
+                cache = make_prompt_cache(model)
+                drafter = None
+                if can_trim_prompt_cache(cache):
+                    drafter = self._new_drafter()
+                    try:
+                        batch_ok = can_rollback_batch(_merge_caches([cache]))
+                    except Exception:
+                        batch_ok = False
+                    if not batch_ok:
+                        logger.warning(
+                            "mlx-lm-suffix: the batched KV cache of %s cannot roll rows "
+                            "back; concurrent (batched) requests are served without "
+                            "drafting, single requests with it.",
+                            model_path,
+                        )
+                else:
+                    kinds = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
+                    logger.warning(
+                        "mlx-lm-suffix: the KV cache of %s (%s) cannot be rolled back; "
+                        "serving it without suffix drafting.",
+                        model_path,
+                        ", ".join(kinds),
+                    )
+                entry = self.entries[key] = ModelEntry(key, mid, drafter)
+            # Kept on the model (modules are unhashable dicts).
+            object.__setattr__(model, _MODEL_ATTR, entry)
+            self._attach_file(entry)
+            return entry
+
+    # ------------------------------------------------------- persistence
+    def check_cache_file(self, default_model_id: Optional[str]) -> None:
+        """Read the cache file at start-up (main thread). Raises
+        :class:`CacheFileRefused` when it belongs to another model."""
+        if not self.cache_file or default_model_id is None:
+            return
+        self._read_file(default_model_id, refuse=True)
+
+    def _read_file(self, expected: str, refuse: bool) -> None:
+        self._file_checked = True
+        path = self.cache_file
+        try:
+            self._file_responses = read_cache_file(path, expected)
+            self._file_model = expected
+            logger.info(
+                "mlx-lm-suffix: loaded %d responses from %s", len(self._file_responses), path
+            )
+            return
+        except FileNotFoundError:
+            logger.info("mlx-lm-suffix: %s does not exist yet; starting with an empty cache", path)
+        except CacheFileError as e:
+            stored = _stored_model(path)
+            if stored is not None and stored != expected:
+                msg = (
+                    f"suffix cache file {path} was made for model {stored!r}, not for "
+                    f"the loaded model {expected!r}: refusing to use or overwrite it. "
+                    "Pass another --suffix-cache-file (or delete this one)."
+                )
+                if refuse:
+                    raise CacheFileRefused(msg) from e
+                logger.error("mlx-lm-suffix: %s", msg)
+                self._file_disabled = True
+                return
+            logger.warning(
+                "mlx-lm-suffix: %s; starting with an empty suffix cache (the file "
+                "will be overwritten)",
+                e,
+            )
+        self._file_model = expected
+
+    def _attach_file(self, entry: ModelEntry) -> None:
+        """Warm the drafter of the model the cache file belongs to."""
+        if not self.cache_file or self._file_disabled or self._persisted is not None:
+            return
+        if not self._file_checked:
+            # No --model: the first model loaded claims the file.
+            self._read_file(entry.model_id, refuse=False)
+            if self._file_disabled:
+                return
+        if entry.model_id != self._file_model or entry.drafter is None:
+            return
+        n = entry.drafter.add_responses(self._file_responses)
+        self._file_responses = []
+        entry.persisted = True
+        self._persisted = entry
+        self._saved_signature = self._signature(entry.drafter)
+        if n:
+            logger.info("mlx-lm-suffix: warmed the suffix cache with %d responses", n)
+
+    @staticmethod
+    def _signature(drafter: SuffixDrafter) -> Tuple[int, int, int]:
+        return (
+            drafter.stats.requests - drafter.active_requests,
+            drafter.cached_requests,
+            drafter.cached_tokens,
+        )
+
+    def save(self, force: bool = False) -> bool:
+        """Save the persisted drafter's cache if it changed. Thread-safe."""
+        with self._save_lock:
+            entry = self._persisted
+            if entry is None or entry.drafter is None:
+                return False
+            sig = self._signature(entry.drafter)
+            if not force and sig == self._saved_signature:
+                return False
+            try:
+                entry.drafter.save(self.cache_file, entry.model_id)
+            except OSError as e:
+                logger.error("mlx-lm-suffix: could not save %s: %s", self.cache_file, e)
+                return False
+            self._saved_signature = sig
+            return True
+
+    def _save_loop(self) -> None:
+        while not self._stop_saver.wait(SAVE_INTERVAL_S):
+            try:
+                self.save()
+            except Exception:  # never let the saver die silently mid-run
+                logger.exception("mlx-lm-suffix: saving the suffix cache failed")
+
+    @contextlib.contextmanager
+    def lifetime(self) -> Iterator[None]:
+        """Around the server's ``run``: background saver, SIGTERM handler
+        (save, then stop the server as Ctrl-C does) and a final save."""
+        if self.cache_file:
+            self._saver = threading.Thread(
+                target=self._save_loop, name="mlx-lm-suffix-saver", daemon=True
+            )
+            self._saver.start()
+        previous = None
+        in_main = threading.current_thread() is threading.main_thread()
+        if in_main:
+            interrupted = []
+
+            def on_sigterm(signum, frame):
+                self.save()
+                if not interrupted:
+                    interrupted.append(signum)
+                    raise KeyboardInterrupt
+
+            previous = signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            yield
+        except KeyboardInterrupt:
+            pass
+        finally:
+            if in_main:
+                signal.signal(signal.SIGTERM, previous)
+            self._stop_saver.set()
+            if self._saver is not None:
+                self._saver.join()
+            self.save()
+            global _shutdown_done
+            _shutdown_done = True
+
+    # ------------------------------------------------------------- stats
+    def stats_payload(self) -> Dict[str, Any]:
+        keys = ("drafted", "accepted", "tokens", "steps", "requests")
+        totals = dict.fromkeys(keys, 0)
+        totals.update(active_requests=0, cached_requests=0, cached_tokens=0)
+        batch = BatchDraftStats()
+        models = []
+        with self._lock:
+            entries = list(self.entries.values())
+        for e in entries:
+            m: Dict[str, Any] = {"model": e.model_id, "drafting": e.drafter is not None}
+            if e.drafter is not None:
+                snap = e.drafter.snapshot()
+                m.update(snap)
+                for k in totals:
+                    totals[k] += snap[k]
+            m["batch"] = e.batch_stats.as_dict()
+            m["cache_file"] = self.cache_file if e.persisted else None
+            batch.merge(e.batch_stats)
+            models.append(m)
+        return {
+            "object": "suffix.stats",
+            "draft": SUFFIX,
+            "num_draft_tokens": self.num_draft_tokens,
+            "policy": getattr(self.cli_args, "suffix_policy", None),
+            "scope": self.scope,
+            "cache_file": self.cache_file,
+            **totals,
+            "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0,
+            "tokens_per_step": totals["tokens"] / totals["steps"] if totals["steps"] else 0.0,
+            "batch": batch.as_dict(),
+            "models": models,
+        }
+
+
+_state_lock = threading.Lock()
+_shutdown_done = False
+
+
+def exit_after_shutdown() -> None:
+    """End the process with status 0 once a suffix server has shut down in
+    order (HTTP server stopped, generation thread joined, cache saved).
+
+    Interpreter teardown after mlx_lm.server can abort in MLX's stream
+    threads ("terminate called without an active exception", SIGABRT; seen
+    with the stock server on Ctrl-C too); there is nothing left to clean up.
+    """
+    if not _shutdown_done:
+        return
+    import sys
+
+    logging.shutdown()
+    for f in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            f.flush()
+    os._exit(0)
+
+
+def state_for(cli_args: Any) -> Optional[SuffixServing]:
+    """The suffix state of the server with these CLI args (None: stock)."""
+    state = getattr(cli_args, _STATE_ATTR, False)
+    if state is not False:
+        return state
+    with _state_lock:
+        state = getattr(cli_args, _STATE_ATTR, False)
+        if state is False:
+            state = None
+            if enabled(cli_args):
+                import mlx.core as mx
+
+                if mx.distributed.init().size() > 1:
+                    logger.warning(
+                        "mlx-lm-suffix: --draft suffix is not supported in distributed "
+                        "mode; serving without drafting."
+                    )
+                else:
+                    state = SuffixServing(cli_args)
+            setattr(cli_args, _STATE_ATTR, state)
+    return state
+
+
+def prepare_run(state: SuffixServing) -> None:
+    """Start-up work in the main thread: check the cache file against the
+    default model. Exits the process when the file is for another model."""
+    cli = state.cli_args
+    if not state.cache_file or not getattr(cli, "model", None):
+        return
+    try:
+        from mlx_lm.utils import load_tokenizer
+
+        tokenizer = load_tokenizer(cli.model)
+        mid = model_id(cli.model, tokenizer)
+    except Exception as e:  # resolved later, when the model loads
+        logger.info("mlx-lm-suffix: cache file check deferred to model load (%s)", e)
+        return
+    try:
+        state.check_cache_file(mid)
+    except CacheFileRefused as e:
+        logger.error("mlx-lm-suffix: %s", e)
+        raise SystemExit(2) from None
+
+
+# --------------------------------------------------------------- requests
+def scope_key(body: Dict[str, Any], headers: Any) -> str:
+    """A caller's cache scope for ``--suffix-cache-scope user``: a hash of
+    the API key (``Authorization: Bearer ...``) and the ``user`` field."""
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise ValueError("user must be a string")
+    auth = headers.get("Authorization") if headers is not None else None
+    key = None
+    if auth:
+        parts = auth.split(None, 1)
+        key = parts[1].strip() if len(parts) == 2 and parts[0].lower() == "bearer" else auth
+    if not user and not key:
+        return "anonymous"
+    h = hashlib.sha256(b"mlx-lm-suffix scope\0")
+    h.update(f"key={key or ''}\0user={user or ''}".encode())
+    return "user:" + h.hexdigest()[:32]
+
+
+def request_info(handler: Any) -> Optional[RequestInfo]:
+    """Validate the suffix fields of a request (after stock validation).
+
+    Raises ``ValueError`` (the handler answers HTTP 400). Normalises the
+    handler's ``requested_draft_model`` so the request batches with others.
+    """
+    state = state_for(handler.response_generator.cli_args)
+    draft = handler.requested_draft_model
+    if state is None:
+        if draft == SUFFIX:
+            raise ValueError("draft_model 'suffix' needs a server started with --draft suffix")
+        return None
+    if draft is not None and not isinstance(draft, str):
+        raise ValueError(f"draft_model must be a string, got {draft!r}")
+    if draft not in (SUFFIX, "default_model", None):
+        raise ValueError(
+            f"Unknown draft_model {draft!r}: this server drafts with suffix decoding; "
+            f"use 'suffix' (the default) or null to turn drafting off"
+        )
+    n = handler.num_draft_tokens
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise ValueError(f"num_draft_tokens must be a non-negative integer, got {n!r}")
+    if n < 0:
+        raise ValueError(f"num_draft_tokens must be a non-negative integer, got {n}")
+    scope = scope_key(handler.body, handler.headers) if state.scope == "user" else None
+    handler.requested_draft_model = "default_model"
+    drafting = draft is not None and n > 0
+    return RequestInfo(drafting=drafting, num_draft_tokens=n if drafting else 0, scope=scope)
+
+
+def attach_request_info(request: Any, info: Optional[RequestInfo]) -> None:
+    if info is not None:
+        setattr(request, _REQUEST_ATTR, info)
+
+
+def add_usage(response: Dict[str, Any], info: Optional[RequestInfo]) -> Dict[str, Any]:
+    """Add the request's draft counters to a response's ``usage``."""
+    usage = response.get("usage") if isinstance(response, dict) else None
+    if info is not None and isinstance(usage, dict):
+        usage[USAGE_DRAFTED] = info.usage.drafted
+        usage[USAGE_ACCEPTED] = info.usage.accepted
+    return response
+
+
+def is_stats_path(path: str) -> bool:
+    return urlsplit(path).path.rstrip("/") == STATS_PATH
+
+
+# A request being admitted by the server's generation thread: set when its
+# prompt is tokenized, taken by the batch insert or single-request call that
+# follows in the same thread.
+_admission = threading.local()
+
+
+def note_prompt(cli_args: Any, request: Any, prompt: Sequence[int]) -> None:
+    if state_for(cli_args) is None:
+        return
+    _admission.value = (getattr(request, _REQUEST_ATTR, None), list(prompt))
+
+
+def _take_admission() -> Tuple[Optional[RequestInfo], Optional[List[int]]]:
+    value = getattr(_admission, "value", None)
+    _admission.value = None
+    return value if value is not None else (None, None)
+
+
+def batch_row_options(segments: Sequence[Sequence[int]], all_tokens: Sequence[int]) -> RowOptions:
+    """Drafting options of a sequence the server inserts into its batch."""
+    info, prompt = _take_admission()
+    full = list(all_tokens) + [t for s in segments for t in s]
+    if info is None or prompt != full:
+        # Not the request we were told about: no drafting, nothing cached.
+        return RowOptions(use_drafter=False)
+    return RowOptions(
+        num_draft_tokens=info.num_draft_tokens,
+        scope=info.scope,
+        prompt=prompt,
+        usage=info.usage,
+    )
+
+
+def make_batch_generator(stock_cls: Callable[..., Any], model: Any, **kwargs: Any) -> Any:
+    """The server's ``BatchGenerator(model, ...)``: a suffix batch generator
+    for a model registered by a suffix server, else the stock one."""
+    entry = _entry_for_model(model)
+    if entry is None or entry.drafter is None:
+        return stock_cls(model, **kwargs)
+    return SuffixBatchGenerator(
+        model,
+        entry.drafter,
+        options_source=batch_row_options,
+        stats=entry.batch_stats,
+        **kwargs,
+    )
+
+
+def _entry_for_model(model: Any) -> Optional[ModelEntry]:
+    return getattr(model, _MODEL_ATTR, None)
+
+
+def on_model_loaded(provider: Any, model_path: str, adapter_path: Any) -> None:
+    state = state_for(provider.cli_args)
+    if state is None or provider.model is None:
+        return
+    state.on_model_loaded(
+        model_path, adapter_path, provider.model, provider.tokenizer, provider.model_key
+    )
+
+
+def single_stream_generate(
+    stream_generate: Callable[..., Any],
+    model: Any,
+    tokenizer: Any,
+    prompt: Any,
+    max_tokens: int,
+    draft_model: Any,
+    kwargs: Dict[str, Any],
+):
+    """The server's single-request ``stream_generate`` call, with the suffix
+    drafter of the model when the request being served asked for it."""
+    info, full = _take_admission()
+    entry = _entry_for_model(model)
+    if (
+        draft_model is not None
+        or info is None
+        or entry is None
+        or entry.drafter is None
+        or kwargs.get("input_embeddings") is not None
+        or not isinstance(prompt, list)
+        or len(prompt) > len(full)
+        or full[len(full) - len(prompt) :] != prompt
+    ):
+        return stream_generate(
+            model, tokenizer, prompt, max_tokens=max_tokens, draft_model=draft_model, **kwargs
+        )
+    drafter = entry.drafter
+    kwargs = dict(kwargs)
+    kwargs.pop("input_embeddings", None)
+    kwargs.update(
+        num_draft_tokens=info.num_draft_tokens,
+        draft_prompt=full,
+        draft_scope=info.scope,
+    )
+    gen = stream_generate(
+        model, tokenizer, prompt, max_tokens=max_tokens, draft_model=drafter, **kwargs
+    )
+    return _count_usage(gen, drafter, info.usage)
+
+
+def _count_usage(gen: Iterator[Any], drafter: SuffixDrafter, usage: RequestUsage):
+    # The server serves single requests one at a time: the drafter's
+    # counters move for this request only.
+    drafted0, steps0 = drafter.stats.drafted, drafter.stats.steps
+    try:
+        for response in gen:
+            usage.accepted += bool(response.from_draft)
+            usage.drafted = drafter.stats.drafted - drafted0
+            usage.steps = drafter.stats.steps - steps0
+            yield response
+    finally:
+        close = getattr(gen, "close", None)
+        if close is not None:
+            close()

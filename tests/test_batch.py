@@ -1,0 +1,413 @@
+"""Batched suffix decoding (``SuffixBatchGenerator``) without HTTP, token for
+token against stock mlx-lm's ``batch_generate`` / ``BatchGenerator`` and
+single-sequence greedy generation, on the tiny float32 model."""
+
+import inspect
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors
+
+from mlx_lm_suffix.batch import RequestUsage, RowOptions, SuffixBatchGenerator
+from mlx_lm_suffix.drafting import SuffixDrafter
+
+MAX_TOKENS = 32
+
+# Fixed-length drafting unless a test says otherwise: the adaptive policy's
+# draft lengths depend on measured timings, outputs never do.
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model_path):
+    model, tokenizer = load(str(tiny_model_path))
+    model.set_dtype(mx.float32)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def prompts(model_and_tokenizer):
+    """Six prompts: repetitive ones (rows accept many tokens) and plain ones
+    (few), of different lengths (different left padding in the batch)."""
+    _, tokenizer = model_and_tokenizer
+    text = Path(inspect.getsourcefile(inspect)).read_text()
+    chunks = [text[4000 + 700 * i : 4000 + 700 * i + 40 + 60 * i] for i in range(6)]
+    out = []
+    for i, chunk in enumerate(chunks):
+        if i % 2:
+            chunk = f"Repeat:\n{chunk}\nAgain:\n{chunk}\nAgain:\n{chunk[:30]}"
+        out.append(tokenizer.encode(chunk))
+    return out
+
+
+def _eos(tokenizer):
+    return [[t] for t in tokenizer.eos_token_ids]
+
+
+def _run(gen, prompts, max_tokens, **insert_kwargs):
+    """All tokens each sequence emits (its stop token included) and its
+    finishing response; checks that each uid finishes once, last."""
+    uids = gen.insert(prompts, max_tokens, **insert_kwargs)
+    tokens = {u: [] for u in uids}
+    finished = {}
+    while responses := gen.next_generated():
+        for r in responses:
+            assert r.uid not in finished, "response after the finishing one"
+            tokens[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                finished[r.uid] = r
+    assert set(finished) == set(uids)
+    return [tokens[u] for u in uids], [finished[u] for u in uids]
+
+
+def _stock_run(model, tokenizer, prompts, max_tokens, stop_tokens=None, **insert_kwargs):
+    gen = BatchGenerator(model, stop_tokens=stop_tokens or _eos(tokenizer))
+    try:
+        return _run(gen, prompts, max_tokens, **insert_kwargs)
+    finally:
+        gen.close()
+
+
+def _suffix_gen(model, tokenizer, drafter, stop_tokens=None, **kwargs):
+    return SuffixBatchGenerator(
+        model, drafter, stop_tokens=stop_tokens or _eos(tokenizer), **kwargs
+    )
+
+
+def _strip_stop(tokens, finished):
+    return [t[:-1] if f.finish_reason == "stop" else t for t, f in zip(tokens, finished)]
+
+
+def test_equals_stock_batch_generate_and_warms_up(model_and_tokenizer, prompts):
+    model, tokenizer = model_and_tokenizer
+    ref = batch_generate(
+        model, tokenizer, prompts, max_tokens=MAX_TOKENS, return_token_ids=True
+    ).token_ids
+    drafter = SuffixDrafter(policy="fixed")
+    for round_ in range(3):
+        gen = _suffix_gen(model, tokenizer, drafter)
+        before = drafter.snapshot()
+        tokens, finished = _run(gen, prompts, [MAX_TOKENS] * len(prompts))
+        gen.close()
+        assert _strip_stop(tokens, finished) == ref, f"round {round_}"
+        stats = gen.draft_stats
+        assert stats.verify_steps > 0
+        assert stats.max_verify_batch_size == len(prompts)
+        if round_ > 0:
+            # Every response is in the cache now: nearly all drafts accepted.
+            snap = drafter.snapshot()
+            drafted = snap["drafted"] - before["drafted"]
+            accepted = snap["accepted"] - before["accepted"]
+            assert accepted / drafted > 0.9
+    assert drafter.active_requests == 0
+    assert drafter.cached_requests == 3 * len(prompts)
+
+
+def test_rows_accepting_different_counts(model_and_tokenizer, prompts):
+    """A warm row (its response cached) next to cold ones: rows accept very
+    different numbers of tokens in the same step and stay exact."""
+    model, tokenizer = model_and_tokenizer
+    ref, _ = _stock_run(model, tokenizer, prompts, [MAX_TOKENS] * len(prompts))
+    drafter = SuffixDrafter(policy="fixed")
+    gen = _suffix_gen(model, tokenizer, drafter)
+    _run(gen, prompts[:1], [MAX_TOKENS])  # warm row 0 only
+    usages = [RequestUsage() for _ in prompts]
+    tokens, _ = _run(
+        gen,
+        prompts,
+        [MAX_TOKENS] * len(prompts),
+        options=[RowOptions(usage=u) for u in usages],
+    )
+    gen.close()
+    assert tokens == ref
+    assert gen.draft_stats.uneven_rollbacks > 0
+    accepted = [u.accepted for u in usages]
+    assert accepted[0] >= MAX_TOKENS - 2  # drafted from its cached response
+    assert min(accepted) < accepted[0]
+    assert all(u.drafted >= u.accepted for u in usages)
+
+
+def test_equals_single_sequence_greedy(model_and_tokenizer, prompts):
+    model, tokenizer = model_and_tokenizer
+    eos = set(tokenizer.eos_token_ids)
+    refs = []
+    for p in prompts:
+        out = []
+        for t, _ in generate_step(mx.array(p), model, max_tokens=MAX_TOKENS):
+            out.append(t)
+            if t in eos:
+                break
+        refs.append(out)
+    drafter = SuffixDrafter(policy="fixed")
+    for _ in range(2):
+        gen = _suffix_gen(model, tokenizer, drafter)
+        tokens, _ = _run(gen, prompts, [MAX_TOKENS] * len(prompts))
+        gen.close()
+        assert tokens == refs
+
+
+def test_caches_hold_prompt_plus_committed_and_continue(model_and_tokenizer, prompts):
+    model, tokenizer = model_and_tokenizer
+    drafter = SuffixDrafter(policy="fixed")
+    gen = _suffix_gen(model, tokenizer, drafter)
+    _run(gen, prompts, [MAX_TOKENS] * len(prompts))  # warm: long accepted drafts
+    tokens, finished = _run(gen, prompts, [MAX_TOKENS] * len(prompts))
+    assert gen.draft_stats.verify_steps > 0
+    follow = tokenizer.encode(" and then")
+    caches, histories = [], []
+    for p, t, f in zip(prompts, tokens, finished):
+        assert f.all_tokens == p + t
+        assert all(c.offset == len(p) + len(t) for c in f.prompt_cache)
+        caches.append(f.prompt_cache)
+        histories.append(f.all_tokens)
+    # Continue from the returned caches (suffix and stock) == from scratch.
+    cont = [h + follow for h in histories]
+    ref, _ = _stock_run(model, tokenizer, cont, [16] * len(cont))
+    got, _ = _run(gen, [follow] * len(cont), [16] * len(cont), caches=caches, all_tokens=histories)
+    gen.close()
+    assert got == ref
+    for c, r in zip(finished, ref):
+        out = [
+            t
+            for t, _ in generate_step(
+                mx.array(follow), model, prompt_cache=c.prompt_cache, max_tokens=len(r)
+            )
+        ]
+        assert out[: len(r)] == r
+
+
+def test_stop_sequence_inside_accepted_draft(model_and_tokenizer, prompts):
+    """A stop sequence met in the middle of an accepted draft: the row emits
+    nothing after it and its cache / all_tokens end at it, as stock's do."""
+    model, tokenizer = model_and_tokenizer
+    plain, _ = _stock_run(model, tokenizer, prompts, [MAX_TOKENS] * len(prompts))
+    # Two tokens from the middle of row 1's output, as a stop sequence.
+    row = plain[1]
+    stop = row[10:12]
+    stops = _eos(tokenizer) + [stop]
+    ref, ref_fin = _stock_run(model, tokenizer, prompts, [MAX_TOKENS] * len(prompts), stops)
+    assert ref_fin[1].finish_reason == "stop" and len(ref[1]) <= 12
+    drafter = SuffixDrafter(policy="fixed")
+    gen = _suffix_gen(model, tokenizer, drafter)
+    _run(gen, prompts, [MAX_TOKENS] * len(prompts))  # cache the full outputs
+    gen.close()
+    gen = _suffix_gen(model, tokenizer, drafter, stop_tokens=stops)
+    tokens, finished = _run(gen, prompts, [MAX_TOKENS] * len(prompts))
+    gen.close()
+    # Row 1 accepted draft tokens past its stop sequence, which were dropped.
+    assert gen.draft_stats.finish_trims > 0
+    assert tokens == ref
+    for p, t, f, rf in zip(prompts, tokens, finished, ref_fin):
+        assert f.finish_reason == rf.finish_reason
+        assert f.all_tokens == p + t == rf.all_tokens
+        assert all(c.offset == len(p) + len(t) for c in f.prompt_cache)
+    # The drafter got exactly the emitted tokens.
+    assert drafter.active_requests == 0
+
+
+def test_per_row_max_tokens_and_draft_options(model_and_tokenizer, prompts):
+    model, tokenizer = model_and_tokenizer
+    max_tokens = [3, 7, 32, 1, 17, 25]
+    ref, ref_fin = _stock_run(model, tokenizer, prompts, max_tokens)
+    drafter = SuffixDrafter(policy="fixed")
+    gen = _suffix_gen(model, tokenizer, drafter)
+    _run(gen, prompts, [MAX_TOKENS] * len(prompts))
+    usages = [RequestUsage() for _ in prompts]
+    options = [
+        RowOptions(usage=usages[0]),
+        RowOptions(num_draft_tokens=0, usage=usages[1]),  # drafting off
+        RowOptions(num_draft_tokens=2, usage=usages[2]),
+        RowOptions(usage=usages[3]),
+        RowOptions(use_drafter=False, usage=usages[4]),  # no drafter at all
+        None,
+    ]
+    n_cached = drafter.cached_requests
+    tokens, finished = _run(gen, prompts, max_tokens, options=options)
+    gen.close()
+    assert tokens == ref
+    assert [len(t) for t in tokens] == [len(r) for r in ref]
+    assert [f.finish_reason for f in finished] == [f.finish_reason for f in ref_fin]
+    assert usages[1].drafted == 0 and usages[4].drafted == 0 and usages[4].steps == 0
+    assert usages[2].drafted <= 2 * usages[2].steps and usages[2].accepted > 0
+    assert usages[0].accepted > 0
+    assert usages[3].drafted == 0  # max_tokens 1: no room to draft
+    # Every row but the one without a drafter cached its response.
+    assert drafter.cached_requests == n_cached + len(prompts) - 1
+
+
+def test_no_drafts_takes_the_stock_path(model_and_tokenizer, prompts):
+    model, tokenizer = model_and_tokenizer
+    ref, _ = _stock_run(model, tokenizer, prompts, [MAX_TOKENS] * len(prompts))
+    drafter = SuffixDrafter(policy="fixed")
+    gen = _suffix_gen(model, tokenizer, drafter, num_draft_tokens=0)
+    tokens, _ = _run(gen, prompts, [MAX_TOKENS] * len(prompts))
+    gen.close()
+    assert tokens == ref
+    assert gen.draft_stats.verify_steps == 0 and gen.draft_stats.plain_steps > 0
+    assert drafter.stats.drafted == 0 and drafter.cached_requests == len(prompts)
+
+
+def test_logits_processors_per_position(model_and_tokenizer, prompts):
+    model, tokenizer = model_and_tokenizer
+    procs = [
+        make_logits_processors(repetition_penalty=1.3, repetition_context_size=12)
+        if i % 2 == 0
+        else []
+        for i in range(len(prompts))
+    ]
+    ref, _ = _stock_run(
+        model, tokenizer, prompts, [MAX_TOKENS] * len(prompts), logits_processors=procs
+    )
+    drafter = SuffixDrafter(policy="fixed")
+    for _ in range(2):
+        gen = _suffix_gen(model, tokenizer, drafter)
+        tokens, _ = _run(gen, prompts, [MAX_TOKENS] * len(prompts), logits_processors=procs)
+        gen.close()
+        assert tokens == ref
+    assert drafter.stats.accepted > 0
+
+
+def test_rows_join_and_leave_mid_generation(model_and_tokenizer, prompts):
+    model, tokenizer = model_and_tokenizer
+    ref, _ = _stock_run(model, tokenizer, prompts, [MAX_TOKENS] * len(prompts))
+    drafter = SuffixDrafter(policy="fixed")
+    warm = _suffix_gen(model, tokenizer, drafter)
+    _run(warm, prompts[::2], [MAX_TOKENS] * 3)
+    warm.close()
+    gen = _suffix_gen(model, tokenizer, drafter)
+    first = gen.insert(prompts[:3], [MAX_TOKENS] * 3)
+    out = {}
+    steps = 0
+    later = None
+    removed = None
+    while True:
+        responses = gen.next_generated()
+        steps += 1
+        if steps == 3:
+            later = gen.insert(prompts[3:], [MAX_TOKENS] * 3)
+        if steps == 4:
+            removed = first[1]
+            gen.remove([removed])
+        if not responses and later is not None:
+            break
+        for r in responses:
+            out.setdefault(r.uid, []).append(r.token)
+    gen.close()
+    for uid, r in zip(first + later, ref):
+        if uid == removed:
+            assert out[uid] == r[: len(out[uid])]
+        else:
+            assert out[uid] == r
+    assert drafter.active_requests == 0
+
+
+def test_untrimmable_batch_cache_generates_without_drafting(model_and_tokenizer, prompts):
+    """A rotating KV cache (max_kv_size) batches as BatchRotatingKVCache,
+    which cannot roll rows back: no drafting, stock outputs."""
+    model, tokenizer = model_and_tokenizer
+    gen = BatchGenerator(model, stop_tokens=_eos(tokenizer), max_kv_size=512)
+    ref, _ = _run(gen, prompts, [MAX_TOKENS] * len(prompts))
+    gen.close()
+    drafter = SuffixDrafter(policy="fixed")
+    for _ in range(2):
+        gen = _suffix_gen(model, tokenizer, drafter, max_kv_size=512)
+        tokens, _ = _run(gen, prompts, [MAX_TOKENS] * len(prompts))
+        gen.close()
+        assert tokens == ref
+        assert gen.draft_stats.verify_steps == 0
+    assert drafter.stats.drafted == 0
+
+
+def test_sampling_runs_and_respects_lengths(model_and_tokenizer, prompts):
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = model_and_tokenizer
+    drafter = SuffixDrafter(policy="fixed")
+    samplers = [make_sampler(temp=0.7, top_p=0.9) if i % 2 else None for i in range(len(prompts))]
+    for _ in range(2):
+        gen = _suffix_gen(model, tokenizer, drafter)
+        tokens, finished = _run(gen, prompts, [MAX_TOKENS] * len(prompts), samplers=samplers)
+        gen.close()
+        for p, t, f in zip(prompts, tokens, finished):
+            assert len(t) <= MAX_TOKENS
+            assert f.all_tokens == p + t
+            assert all(c.offset == len(p) + len(t) for c in f.prompt_cache)
+    assert drafter.stats.accepted > 0
+
+
+def test_prompt_tree_uses_whole_prompt_with_cached_prefix(model_and_tokenizer, prompts):
+    """With a prompt cache and all_tokens, the row's tree still gets the whole
+    prompt (the tokens in its cache when generation starts)."""
+    model, tokenizer = model_and_tokenizer
+    p = prompts[1]
+    cache = make_prompt_cache(model)
+    model(mx.array(p[:-5])[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    drafter = SuffixDrafter(max_cached_requests=0, policy="fixed")
+    seen = []
+    start = drafter.start
+
+    def spy(prompt, scope=None):
+        seen.append(list(prompt))
+        return start(prompt, scope=scope)
+
+    drafter.start = spy
+    gen = _suffix_gen(model, tokenizer, drafter)
+    _run(gen, [p[-5:]], [8], caches=[cache], all_tokens=[p[:-5]])
+    gen.close()
+    assert seen == [p]
+
+
+def test_compacting_shared_left_padding(model_and_tokenizer, prompts, monkeypatch):
+    """Uneven rollbacks grow every row's left padding; compacting it (a
+    copy of the cache) keeps outputs and caches exact."""
+    from mlx_lm_suffix import batch
+
+    monkeypatch.setattr(batch, "COMPACT_LEFT_PADDING", 1)
+    model, tokenizer = model_and_tokenizer
+    ref, _ = _stock_run(model, tokenizer, prompts, [MAX_TOKENS] * len(prompts))
+    drafter = SuffixDrafter(policy="fixed")
+    gen = _suffix_gen(model, tokenizer, drafter)
+    _run(gen, prompts[::2], [MAX_TOKENS] * 3)
+    tokens, finished = _run(gen, prompts, [MAX_TOKENS] * len(prompts))
+    gen.close()
+    assert tokens == ref
+    assert gen.draft_stats.compactions > 0
+    for p, t, f in zip(prompts, tokens, finished):
+        assert all(c.offset == len(p) + len(t) for c in f.prompt_cache)
+
+
+def test_tokens_match_the_cache_after_every_step(model_and_tokenizer, prompts):
+    """``tokens[i]`` is what row i's KV cache holds, after every step."""
+    model, tokenizer = model_and_tokenizer
+    drafter = SuffixDrafter(policy="fixed")
+    gen = _suffix_gen(model, tokenizer, drafter)
+    _run(gen, prompts[::2], [MAX_TOKENS] * 3)
+    gen.insert(prompts, [MAX_TOKENS] * len(prompts))
+    batch = gen._generation_batch
+    checked = 0
+    while gen.next_generated():
+        if len(batch):
+            offsets = batch.prompt_cache[0].offset.tolist()
+            assert [len(t) for t in batch.tokens] == offsets
+            checked += 1
+    gen.close()
+    assert checked > 0 and gen.draft_stats.verify_steps > 0
+
+
+def test_adaptive_policy_picks_one_width_per_batch(model_and_tokenizer, prompts):
+    """The adaptive policy measures the verification cost once, then cuts
+    the batch's drafts to one width; outputs stay exact."""
+    model, tokenizer = model_and_tokenizer
+    ref, _ = _stock_run(model, tokenizer, prompts, [MAX_TOKENS] * len(prompts))
+    drafter = SuffixDrafter(policy="adaptive")
+    for _ in range(2):
+        gen = _suffix_gen(model, tokenizer, drafter)
+        tokens, _ = _run(gen, prompts, [MAX_TOKENS] * len(prompts))
+        gen.close()
+        assert tokens == ref
+    assert drafter.cost is not None  # measured at the first drafting step
+    assert drafter.stats.drafted > 0

@@ -1,0 +1,666 @@
+"""``mlx_lm.server --draft suffix`` end to end: the real server in a
+subprocess on loopback, a tiny float32 model loaded from disk, and the
+``openai`` client. Greedy outputs are compared with a stock server's."""
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import mlx_lm  # noqa: F401  (first: mlx_lm_suffix.policy imports mlx_lm)
+import pytest
+from openai import OpenAI
+
+from mlx_lm_suffix.drafting import SuffixDrafter, read_cache_file
+
+SERVER = str(Path(sys.executable).with_name("mlx_lm.server"))
+MAX_TOKENS = 32
+# Fixed-length drafting where tests count draft tokens: the adaptive policy's
+# draft lengths depend on measured timings (outputs never do).
+SUFFIX_FIXED = ("--draft", "suffix", "--suffix-policy", "fixed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``mlx_lm.server`` in a subprocess; its log goes to a file."""
+
+    def __init__(self, model, *args, log_dir, name="server", wait=True):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_dir) / f"{name}-{self.port}.log"
+        self.suffix = "--draft" in args
+        self._log = open(self.log_path, "w")
+        env = dict(os.environ, MLX_LM_SUFFIX_SAVE_INTERVAL="0.2")
+        self.proc = subprocess.Popen(
+            [SERVER, "--model", str(model), "--port", str(self.port), *map(str, args)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        if wait:
+            self.wait_ready()
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout=120):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200 and (not self.suffix or self.stats()["models"]):
+                        return  # (suffix: once the model has loaded)
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.05)  # polling interval, not synchronisation
+        raise TimeoutError(f"server not ready:\n{self.log()}")
+
+    def client(self, api_key="none") -> OpenAI:
+        return OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    def get(self, path):
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return json.loads(r.read())
+
+    def post(self, path, body, headers=None):
+        """POST JSON; returns (status, parsed body)."""
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def stats(self):
+        return self.get("/v1/suffix/stats")
+
+    def wait_idle(self, timeout=60):
+        """Poll the stats until no request is active; returns the stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if stats["active_requests"] == 0 or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
+
+    def stop(self, sig=signal.SIGTERM, timeout=60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("server-logs")
+
+
+@pytest.fixture(scope="module")
+def stock_server(tiny_model_path, logs):
+    server = Server(tiny_model_path, log_dir=logs, name="stock")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def suffix_server(tiny_model_path, logs):
+    server = Server(tiny_model_path, *SUFFIX_FIXED, log_dir=logs, name="suffix")
+    yield server
+    server.stop()
+
+
+def _messages(text):
+    return [{"role": "user", "content": text}]
+
+
+def _chat(client, text, stream=False, **kw):
+    """Greedy chat completion: (text, finish_reason, usage)."""
+    kw.setdefault("max_tokens", MAX_TOKENS)
+    if not stream:
+        r = client.chat.completions.create(
+            model="default_model", messages=_messages(text), temperature=0, **kw
+        )
+        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage
+    chunks = client.chat.completions.create(
+        model="default_model",
+        messages=_messages(text),
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        **kw,
+    )
+    text, finish, usage = "", None, None
+    for c in chunks:
+        if c.usage is not None:
+            usage = c.usage
+        for choice in c.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    return text, finish, usage
+
+
+def _complete(client, prompt, stream=False, **kw):
+    kw.setdefault("max_tokens", MAX_TOKENS)
+    if not stream:
+        r = client.completions.create(model="default_model", prompt=prompt, temperature=0, **kw)
+        return r.choices[0].text, r.choices[0].finish_reason, r.usage
+    text, finish = "", None
+    for c in client.completions.create(
+        model="default_model", prompt=prompt, temperature=0, stream=True, **kw
+    ):
+        for choice in c.choices:
+            text += choice.text or ""
+            finish = choice.finish_reason or finish
+    return text, finish, None
+
+
+def _source_text(i, n=160):
+    import inspect
+
+    text = Path(inspect.getsourcefile(inspect)).read_text()
+    return text[20000 + 900 * i : 20000 + 900 * i + n]
+
+
+# ------------------------------------------------------------------- CLI
+def _parse(monkeypatch, *argv):
+    """Run the patched ``mlx_lm.server.main`` up to ``run`` and return the
+    parsed args (nothing is loaded or served)."""
+    import mlx_lm.server as server
+
+    captured = []
+    monkeypatch.setattr(sys, "argv", ["mlx_lm.server", *argv])
+    monkeypatch.setattr(
+        server, "run", lambda host, port, provider: captured.append(provider.cli_args)
+    )
+    server.main()
+    return captured[0]
+
+
+def test_cli_flags(monkeypatch):
+    ns = _parse(monkeypatch, "--model", "m", "--draft", "suffix")
+    assert ns.draft == "suffix" and ns.draft_model is None and ns.num_draft_tokens == 16
+    assert ns.suffix_cache_scope == "global" and ns.suffix_cache_file is None
+    ns = _parse(monkeypatch, "--model", "m", "--draft", "suffix", "--num-draft-tokens", "5")
+    assert ns.num_draft_tokens == 5
+    ns = _parse(monkeypatch, "--model", "m")  # stock
+    assert ns.draft is None and ns.draft_model is None and ns.num_draft_tokens == 3
+    ns = _parse(monkeypatch, "--model", "m", "--draft-model", "suffix")  # never a model
+    assert ns.draft == "suffix" and ns.draft_model is None
+    ns = _parse(monkeypatch, "--model", "m", "--draft-model", "other/model")
+    assert ns.draft is None and ns.draft_model == "other/model"
+    for bad in (
+        ["--draft", "suffix", "--draft-model", "x"],
+        ["--draft", "medusa"],
+        ["--draft", "suffix", "--suffix-max-tree-depth", "0"],
+        ["--draft", "suffix", "--suffix-cache-scope", "tenant"],
+        ["--suffix-cache-file", "x.json"],
+    ):
+        with pytest.raises(SystemExit) as e:
+            _parse(monkeypatch, "--model", "m", *bad)
+        assert e.value.code == 2
+
+
+@pytest.mark.parametrize("launcher", [[SERVER], [sys.executable, "-m", "mlx_lm.server"]])
+def test_help_lists_the_flags(launcher):
+    out = subprocess.run(
+        [*launcher, "--help"], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    for flag in (
+        "--draft {suffix}",
+        "--num-draft-tokens",
+        "--suffix-cache-scope",
+        "--suffix-cache-file",
+        "--suffix-max-tree-depth",
+        "--suffix-max-cached-requests",
+        "--suffix-max-cached-tokens",
+        "--suffix-max-spec-factor",
+        "--suffix-max-spec-offset",
+        "--suffix-min-token-prob",
+    ):
+        assert flag in out
+
+
+# ---------------------------------------------------------------- parity
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_greedy_outputs_equal_stock(stock_server, suffix_server, kind, stream):
+    call = _chat if kind == "chat" else _complete
+    texts = [_source_text(i) for i in range(2)] + ["Repeat after me: " + "one two three four " * 6]
+    s, x = stock_server.client(), suffix_server.client()
+    for text in texts:
+        ref = call(s, text, stream=stream)
+        first = call(x, text, stream=stream)  # drafts from the prompt
+        second = call(x, text, stream=stream)  # and from the first response
+        assert first[:2] == ref[:2]
+        assert second[:2] == ref[:2]
+        if kind == "chat":
+            assert second[2].completion_tokens == ref[2].completion_tokens
+            assert second[2].accepted_draft_tokens > 0
+    assert suffix_server.wait_idle()["active_requests"] == 0
+
+
+def _stop_word(tiny_model_path, ids, start):
+    """Text of two generated tokens from ``start`` on that encodes back to
+    them (stop words are matched as token sequences)."""
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_path)
+    for k in range(start, len(ids) - 1):
+        word = tokenizer.decode(ids[k : k + 2])
+        if word.strip() and tokenizer.encode(word, add_special_tokens=False) == ids[k : k + 2]:
+            return word
+    pytest.skip("no stop word round-trips through the tokenizer")
+
+
+def test_logprobs_and_stop_words_equal_stock(tiny_model_path, stock_server, suffix_server):
+    s, x = stock_server.client(), suffix_server.client()
+    text = _source_text(5)
+    status, plain = stock_server.post(
+        "/v1/chat/completions",
+        {"messages": _messages(text), "max_tokens": MAX_TOKENS, "logprobs": True},
+    )
+    ids = [t["id"] for t in plain["choices"][0]["logprobs"]["content"]]
+    stop = _stop_word(tiny_model_path, ids, MAX_TOKENS // 2)
+    kw = dict(logprobs=True, top_logprobs=3, stop=[stop], max_tokens=MAX_TOKENS, temperature=0)
+    ref = s.chat.completions.create(model="default_model", messages=_messages(text), **kw)
+    assert ref.choices[0].finish_reason == "stop"
+    for _ in range(2):  # the second one drafts across the stop word
+        got = x.chat.completions.create(model="default_model", messages=_messages(text), **kw)
+        assert got.choices[0].message.content == ref.choices[0].message.content
+        assert got.choices[0].finish_reason == "stop"
+        a, b = got.choices[0].logprobs.content, ref.choices[0].logprobs.content
+        assert len(a) == len(b)
+        for ta, tb in zip(a, b):
+            assert ta.token == tb.token
+            assert ta.logprob == pytest.approx(tb.logprob, abs=1e-4)
+            assert [t.token for t in ta.top_logprobs] == [t.token for t in tb.top_logprobs]
+            for la, lb in zip(ta.top_logprobs, tb.top_logprobs):
+                assert la.logprob == pytest.approx(lb.logprob, abs=1e-4)
+    assert got.usage.accepted_draft_tokens > 0
+    # The stream of the same request, too.
+    streamed = _chat(x, text, stream=True, stop=[stop])
+    assert streamed[:2] == (ref.choices[0].message.content, "stop")
+
+
+def test_multi_turn_prompt_cache_equals_stock(stock_server, suffix_server):
+    """The KV cache the server keeps after a request holds exactly the prompt
+    plus the emitted tokens: a follow-up turn reuses it like stock does."""
+    text = _source_text(7)
+    results = []
+    for server in (stock_server, suffix_server, suffix_server):
+        c = server.client()
+        messages = _messages(text)
+        turns = []
+        for turn in range(3):
+            r = c.chat.completions.create(
+                model="default_model",
+                messages=messages,
+                temperature=0,
+                max_tokens=24,
+                stop=["e"] if turn == 1 else None,
+            )
+            answer = r.choices[0].message.content
+            turns.append((answer, r.choices[0].finish_reason))
+            messages = messages + [
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": f"again {turn}"},
+            ]
+        results.append(turns)
+    assert results[1] == results[0]
+    assert results[2] == results[0]
+
+
+# ----------------------------------------------------------- concurrency
+def test_eight_concurrent_requests_in_one_batch(stock_server, suffix_server):
+    texts = [_source_text(10 + i, n=100 + 20 * i) for i in range(8)]
+    s, x = stock_server.client(), suffix_server.client()
+    refs = [_chat(s, t)[:2] for t in texts]
+    for t in texts[::2]:  # half the rows will accept long drafts, half few
+        assert _chat(x, t)[:2] == refs[texts.index(t)]
+
+    def round_():
+        # A long request keeps the batch busy, so that the eight requests
+        # queue up and join the batch together.
+        blocker = x.chat.completions.create(
+            model="default_model",
+            messages=_messages("blocker " + _source_text(30)),
+            max_tokens=2000,
+            temperature=0,
+            stream=True,
+            extra_body={"num_draft_tokens": 0},
+        )
+        next(iter(blocker))
+        barrier = threading.Barrier(8)
+
+        def one(t):
+            barrier.wait()
+            return _chat(x, t)
+
+        before = suffix_server.stats()
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(one, texts))
+        blocker.close()  # client disconnect
+        return outs, before, suffix_server.wait_idle()
+
+    for _attempt in range(3):
+        outs, before, after = round_()
+        assert [o[:2] for o in outs] == refs
+        accepted = [o[2].accepted_draft_tokens for o in outs]
+        # Warm rows (their response cached) accept nearly every token.
+        assert all(a >= 0.9 * (MAX_TOKENS - 1) for a in accepted[::2])
+        assert len(set(accepted)) > 1
+        assert after["batch"]["uneven_rollbacks"] > before["batch"]["uneven_rollbacks"]
+        # Eight rows plus the blocker verified in one forward. (The eight
+        # usually reach the server's queue within one scheduling window; if
+        # they straddle two, the round is repeated.)
+        if after["batch"]["max_verify_batch_size"] >= 9:
+            break
+    assert after["batch"]["max_verify_batch_size"] >= 9
+    assert after["active_requests"] == 0
+
+
+def test_disconnects_leave_no_active_request(suffix_server):
+    x = suffix_server.client()
+    for i, extra in enumerate([{}, {"num_draft_tokens": 0}, {"seed": 3}]):
+        # seed: not batchable, served by the single-request path.
+        stream = x.chat.completions.create(
+            model="default_model",
+            messages=_messages(f"disconnect {i} " + _source_text(40 + i)),
+            max_tokens=3000,
+            temperature=0,
+            stream=True,
+            extra_body=extra,
+        )
+        it = iter(stream)
+        for _ in range(3):
+            next(it)
+        stream.close()
+    stats = suffix_server.wait_idle()
+    assert stats["active_requests"] == 0
+    # The server keeps serving.
+    assert _chat(x, "still there?")[1] in ("stop", "length")
+    assert suffix_server.wait_idle()["active_requests"] == 0
+
+
+# --------------------------------------------------------- stats, usage
+def test_repeated_request_drafts_from_earlier_response(suffix_server):
+    x = suffix_server.client()
+    text = _source_text(50)
+    first = _chat(x, text, max_tokens=40)
+    second = _chat(x, text, max_tokens=40)
+    assert second[:2] == first[:2]
+    u = second[2]
+    assert u.draft_tokens > 0
+    assert u.accepted_draft_tokens / u.draft_tokens > 0.9
+    assert u.accepted_draft_tokens >= 0.9 * (u.completion_tokens - 1)
+    stats = suffix_server.stats()
+    for key in (
+        "drafted",
+        "accepted",
+        "acceptance_rate",
+        "tokens_per_step",
+        "active_requests",
+        "cached_requests",
+        "cached_tokens",
+    ):
+        assert key in stats
+    assert stats["cached_requests"] >= 2 and stats["tokens_per_step"] > 1
+
+
+def test_single_request_path_drafts(stock_server, suffix_server):
+    """seed makes a request unbatchable (stock): _serve_single, with suffix."""
+    text = _source_text(55)
+    ref = _chat(stock_server.client(), text, seed=7)
+    x = suffix_server.client()
+    first = _chat(x, text, seed=7)
+    second = _chat(x, text, seed=7, stream=True)
+    assert first[:2] == ref[:2] and second[:2] == ref[:2]
+    assert second[2].accepted_draft_tokens / second[2].draft_tokens > 0.9
+
+
+def test_per_request_overrides(stock_server, suffix_server):
+    x = suffix_server.client()
+    text = _source_text(60)
+    ref = _chat(stock_server.client(), text)
+    warm = _chat(x, text)
+    assert warm[:2] == ref[:2]
+    off = _chat(x, text, extra_body={"num_draft_tokens": 0})
+    assert off[:2] == ref[:2] and off[2].draft_tokens == 0
+    none = _chat(x, text, extra_body={"draft_model": None})
+    assert none[:2] == ref[:2] and none[2].draft_tokens == 0
+    two = _chat(x, text, extra_body={"num_draft_tokens": 2, "draft_model": "suffix"})
+    assert two[:2] == ref[:2]
+    assert 0 < two[2].draft_tokens <= 2 * two[2].completion_tokens
+    assert two[2].accepted_draft_tokens > 0
+    full = _chat(x, text, extra_body={"num_draft_tokens": 16})
+    assert full[2].draft_tokens > two[2].draft_tokens
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"num_draft_tokens": -1}, "num_draft_tokens"),
+        ({"num_draft_tokens": 1.5}, "num_draft_tokens"),
+        ({"num_draft_tokens": "4"}, "num_draft_tokens"),
+        ({"num_draft_tokens": True}, "num_draft_tokens"),
+        ({"draft_model": "mlx-community/some-draft"}, "draft_model"),
+        ({"draft_model": 5}, "draft_model"),
+    ],
+)
+def test_bad_values_give_400(suffix_server, body, message):
+    status, reply = suffix_server.post(
+        "/v1/chat/completions",
+        {"messages": _messages("hi"), "max_tokens": 4, **body},
+    )
+    assert status == 400
+    assert message in reply["error"]
+    status, reply = suffix_server.post(
+        "/v1/chat/completions", {"messages": _messages("hi"), "max_tokens": 4}
+    )
+    assert status == 200 and reply["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_stock_server_unchanged(stock_server):
+    status, reply = stock_server.post(
+        "/v1/chat/completions",
+        {"messages": _messages("hi"), "max_tokens": 4, "draft_model": "suffix"},
+    )
+    assert status == 400 and "--draft suffix" in reply["error"]
+    status, reply = stock_server.post(
+        "/v1/chat/completions", {"messages": _messages("hi"), "max_tokens": 4}
+    )
+    assert status == 200
+    assert "draft_tokens" not in reply["usage"]
+    with pytest.raises(urllib.error.HTTPError) as e:
+        stock_server.get("/v1/suffix/stats")
+    assert e.value.code == 404
+
+
+# ------------------------------------------------------------- isolation
+def test_user_scope_isolates_callers(tiny_model_path, logs):
+    server = Server(
+        tiny_model_path,
+        *SUFFIX_FIXED,
+        "--suffix-cache-scope",
+        "user",
+        "--suffix-max-cached-requests",
+        "3",
+        log_dir=logs,
+        name="user",
+    )
+    try:
+        text = _source_text(70)
+        alice = server.client(api_key="key-alice")
+        bob = server.client(api_key="key-bob")
+        a1 = _chat(alice, text)
+        b1 = _chat(bob, text)  # must not draft from alice's response
+        a2 = _chat(alice, text)  # drafts from alice's own response
+        c1 = _chat(alice, text, user="carol")  # same key, other end user
+        assert a1[:2] == b1[:2] == a2[:2] == c1[:2]
+        # Without alice's response, bob drafts exactly as alice did first.
+        assert (b1[2].draft_tokens, b1[2].accepted_draft_tokens) == (
+            a1[2].draft_tokens,
+            a1[2].accepted_draft_tokens,
+        )
+        assert (c1[2].draft_tokens, c1[2].accepted_draft_tokens) == (
+            a1[2].draft_tokens,
+            a1[2].accepted_draft_tokens,
+        )
+        assert a2[2].accepted_draft_tokens > a1[2].accepted_draft_tokens
+        assert a2[2].accepted_draft_tokens / a2[2].draft_tokens > 0.9
+        stats = server.wait_idle()
+        assert stats["scope"] == "user"
+        # Four responses, at most three kept (oldest evicted first).
+        assert stats["cached_requests"] == 3 and stats["active_requests"] == 0
+        status, reply = server.post(
+            "/v1/chat/completions", {"messages": _messages("hi"), "max_tokens": 4, "user": 5}
+        )
+        assert status == 400 and "user" in reply["error"]
+    finally:
+        server.stop()
+
+
+# ----------------------------------------------------------- persistence
+def _model_id(path):
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_lm_suffix.serving import model_id
+
+    return model_id(str(path), load_tokenizer(path))
+
+
+def test_cache_file_survives_restart(tiny_model_path, logs, tmp_path):
+    cache_file = tmp_path / "suffix-cache.json"
+    text = _source_text(80)
+    args = (*SUFFIX_FIXED, "--suffix-cache-file", cache_file)
+    model_id = _model_id(tiny_model_path)
+    server = Server(tiny_model_path, *args, log_dir=logs, name="persist1")
+    try:
+        first = _chat(server.client(), text)
+        _chat(server.client(), _source_text(81))
+        # Saved in the background (every 0.2 s here) while serving.
+        deadline = time.monotonic() + 30
+        while not (cache_file.exists() and len(read_cache_file(cache_file, model_id)) == 2):
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.05)
+    finally:
+        assert server.stop(signal.SIGTERM) == 0
+    saved = read_cache_file(cache_file, model_id)
+    assert len(saved) == 2
+
+    server = Server(tiny_model_path, *args, log_dir=logs, name="persist2")
+    try:
+        assert server.stats()["cached_requests"] == 2
+        again = _chat(server.client(), text)
+        assert again[:2] == first[:2]
+        assert again[2].accepted_draft_tokens / again[2].draft_tokens > 0.9
+        assert again[2].accepted_draft_tokens > first[2].accepted_draft_tokens
+    finally:
+        assert server.stop(signal.SIGINT) == 0  # Ctrl-C
+    assert len(read_cache_file(cache_file, _model_id(tiny_model_path))) == 3
+
+
+def test_corrupt_cache_file_starts_empty(tiny_model_path, logs, tmp_path):
+    """(This server also runs the default, adaptive draft-length policy.)"""
+    cache_file = tmp_path / "suffix-cache.json"
+    drafter = SuffixDrafter()
+    drafter.add_responses([(None, list(range(50)))])
+    drafter.save(cache_file, _model_id(tiny_model_path))
+    data = cache_file.read_bytes()
+    cache_file.write_bytes(data[: len(data) // 2])  # truncated
+    server = Server(
+        tiny_model_path,
+        "--draft",
+        "suffix",
+        "--suffix-cache-file",
+        cache_file,
+        log_dir=logs,
+        name="corrupt",
+    )
+    try:
+        stats = server.stats()
+        assert stats["cached_requests"] == 0 and stats["policy"] == "adaptive"
+        assert "WARNING" in server.log() and "not readable" in server.log()
+        text = _source_text(85)
+        first = _chat(server.client(), text)
+        again = _chat(server.client(), text)
+        assert again[:2] == first[:2] and again[1] in ("stop", "length")
+        stats = server.wait_idle()
+        assert stats["models"][0]["verify_cost"] is not None  # measured once
+    finally:
+        assert server.stop() == 0
+    assert len(read_cache_file(cache_file, _model_id(tiny_model_path))) == 2
+
+
+def test_cache_file_of_another_model_is_refused(tiny_model_path, logs, tmp_path):
+    cache_file = tmp_path / "suffix-cache.json"
+    drafter = SuffixDrafter()
+    drafter.add_responses([(None, [1, 2, 3])])
+    drafter.save(cache_file, "/models/other|vocab=32000|sha256=0123456789abcdef")
+    before = cache_file.read_bytes()
+    server = Server(
+        tiny_model_path,
+        "--draft",
+        "suffix",
+        "--suffix-cache-file",
+        cache_file,
+        log_dir=logs,
+        name="other",
+        wait=False,
+    )
+    assert server.proc.wait(120) == 2
+    log = server.log()
+    server.stop()
+    assert "was made for model '/models/other" in log and "refusing" in log
+    assert cache_file.read_bytes() == before
+
+
+# Last: it makes the module's suffix server switch models.
+def test_model_switch_gets_its_own_cache(suffix_server, tiny_llama_path):
+    x = suffix_server.client()
+    text = _source_text(95)
+    first = _chat(x, text)
+    other = str(tiny_llama_path)
+
+    def llama():
+        r = x.chat.completions.create(
+            model=other, messages=_messages(text), temperature=0, max_tokens=MAX_TOKENS
+        )
+        return r.choices[0].message.content, r.usage
+
+    l1 = llama()
+    l2 = llama()
+    assert l2[0] == l1[0]
+    assert l2[1].accepted_draft_tokens / l2[1].draft_tokens > 0.9
+    again = _chat(x, text)  # back to the default model: its cache is intact
+    assert again[:2] == first[:2]
+    assert again[2].accepted_draft_tokens / again[2].draft_tokens > 0.9
+    stats = suffix_server.wait_idle()
+    models = {m["model"].split("|")[0]: m for m in stats["models"]}
+    assert len(models) == 2
+    assert models[str(Path(other).resolve())]["cached_requests"] == 2
