@@ -9,7 +9,7 @@ import pytest
 
 import mlx_lm_suffix
 
-MODULES = sorted(m.name for m in pkgutil.iter_modules(mlx_lm_suffix.__path__))
+MODULES = sorted(m.name for m in pkgutil.iter_modules(mlx_lm_suffix.__path__) if m.name != "__main__")
 
 
 @pytest.mark.parametrize("name", MODULES)
