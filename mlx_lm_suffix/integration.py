@@ -37,6 +37,7 @@ from .drafting import (
     DEFAULT_MAX_TREE_DEPTH,
     DEFAULT_MIN_TOKEN_PROB,
     DEFAULT_NUM_DRAFT_TOKENS,
+    POLICIES,
     SuffixDrafter,
 )
 
@@ -116,6 +117,15 @@ def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
         help="Stop a draft at a token whose estimated probability is below "
         f"this. Default: {DEFAULT_MIN_TOKEN_PROB}",
     )
+    group.add_argument(
+        "--suffix-policy",
+        choices=list(POLICIES),
+        default="adaptive",
+        help="'adaptive': each step's draft length (per batch for concurrent "
+        "requests) is chosen from the trees' probabilities and the measured cost "
+        "of verifying it; 'fixed': draft as long as the trees allow (up to "
+        "--num-draft-tokens). Default: adaptive",
+    )
 
 
 def drafter_from_args(args: argparse.Namespace) -> SuffixDrafter:
@@ -128,6 +138,7 @@ def drafter_from_args(args: argparse.Namespace) -> SuffixDrafter:
         max_spec_factor=args.suffix_max_spec_factor,
         max_spec_offset=args.suffix_max_spec_offset,
         min_token_prob=args.suffix_min_token_prob,
+        policy=args.suffix_policy,
     )
 
 

@@ -34,7 +34,6 @@ from urllib.parse import urlsplit
 from .batch import BatchDraftStats, RequestUsage, RowOptions, SuffixBatchGenerator
 from .drafting import (
     DEFAULT_NUM_DRAFT_TOKENS,
-    POLICIES,
     CacheFileError,
     SuffixDrafter,
     read_cache_file,
@@ -73,16 +72,6 @@ def add_server_arguments(parser: Any) -> None:
     parser.set_defaults(num_draft_tokens=None)
     add_drafter_arguments(parser)
     group = parser.add_argument_group("suffix decoding server options (mlx-lm-suffix)")
-    if "--suffix-policy" not in parser._option_string_actions:
-        group.add_argument(
-            "--suffix-policy",
-            choices=list(POLICIES),
-            default="adaptive",
-            help="'adaptive': each step's draft width is chosen from the trees' "
-            "probabilities and the measured cost of verifying it (per batch for "
-            "concurrent requests); 'fixed': draft as long as the trees allow "
-            "(up to --num-draft-tokens). Default: adaptive",
-        )
     group.add_argument(
         "--suffix-cache-scope",
         choices=list(SCOPES),
@@ -162,16 +151,6 @@ def _stored_model(path: str | os.PathLike) -> Optional[str]:
     return None
 
 
-def _drafter(cli_args: Any) -> SuffixDrafter:
-    from .integration import drafter_from_args
-
-    drafter = drafter_from_args(cli_args)
-    policy = getattr(cli_args, "suffix_policy", None)
-    if policy is not None and drafter.policy != policy:
-        drafter.policy = policy  # (argparse checked it is one of POLICIES)
-    return drafter
-
-
 class CacheFileRefused(RuntimeError):
     """The cache file holds token ids of another model."""
 
@@ -206,7 +185,9 @@ class SuffixServing:
         self.scope = getattr(cli_args, "suffix_cache_scope", "global") or "global"
         self.cache_file = getattr(cli_args, "suffix_cache_file", None)
         self.num_draft_tokens = cli_args.num_draft_tokens
-        self._new_drafter = lambda: _drafter(cli_args)
+        from .integration import drafter_from_args
+
+        self._new_drafter = lambda: drafter_from_args(cli_args)
         self._lock = threading.RLock()
         self.entries: Dict[Tuple[Any, ...], ModelEntry] = {}
         # Persistence
