@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Union
 
@@ -208,3 +209,131 @@ def parity_command(
     if json_out:
         _write_json(json_out, results)
     ctx.exit(par.exit_status(results, strict))
+
+
+@main.command("bench")
+@click.option(
+    "--model",
+    default=None,
+    help="Model path or Hugging Face id. Default: the local random-weight model of --size.",
+)
+@click.option("--size", type=click.Choice(["tiny", "small", "bench"]), default="bench", show_default=True)
+@click.option(
+    "--workload",
+    "workload_files",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Workload JSONL (repeatable). Default: the built-in code-edit, agentic "
+    "and open-ended workloads.",
+)
+@click.option(
+    "--workloads",
+    "workload_names",
+    default="code-edit,agentic,open-ended",
+    show_default=True,
+    help="Built-in workloads to run (comma-separated), when no --workload is given.",
+)
+@click.option("--requests", "n_requests", default=8, show_default=True, type=int, help="Requests per workload.")
+@click.option("--prompt-chars", default=4000, show_default=True, type=int, help="Source length in code-edit prompts.")
+@click.option("--max-tokens", default=256, show_default=True, type=int)
+@click.option("--repetitions", default=3, show_default=True, type=int, help="Paired repetitions (arm order alternates).")
+@click.option(
+    "--arms",
+    default="stock,suffix-cold,suffix-warm,oracle",
+    show_default=True,
+    help="In-process arms (comma-separated; stock is always included).",
+)
+@click.option("--server/--no-server", default=False, show_default=True, help="Also run the server arms.")
+@click.option("--concurrency", default="1,8", show_default=True, callback=_list_of(int), help="Server concurrencies.")
+@click.option(
+    "--scripted/--no-scripted",
+    default=None,
+    help="Scripted-target mode (bias logits so greedy output follows the "
+    "reference). Default: on for the local random models, off otherwise.",
+)
+@click.option("--blas", type=click.Choice(["auto", "openblas", "reference"]), default="auto", show_default=True)
+@click.option("--num-draft-tokens", default=DEFAULT_NUM_DRAFT_TOKENS, show_default=True, type=int)
+@click.option("--out", "out_dir", default="bench-results", show_default=True, type=click.Path(file_okay=False))
+def bench_command(
+    model: Optional[str],
+    size: str,
+    workload_files: tuple,
+    workload_names: str,
+    n_requests: int,
+    prompt_chars: int,
+    max_tokens: int,
+    repetitions: int,
+    arms: str,
+    server: bool,
+    concurrency: List[int],
+    scripted: Optional[bool],
+    blas: str,
+    num_draft_tokens: int,
+    out_dir: str,
+) -> None:
+    """Compare stock mlx-lm, suffix decoding (cold and warm global cache) and
+    an oracle drafter side by side; writes bench.json and bench.png."""
+    from . import bench as b
+
+    b.maybe_reexec_with_openblas(blas)
+    from .tiny_model import ensure_model
+    from .workloads import write_workloads
+
+    model_path = model or str(ensure_model("qwen3", size))
+    if scripted is None:
+        scripted = model is None or b.is_local_random_model(model_path)
+    out = Path(out_dir)
+    if workload_files:
+        files = {Path(f).stem: Path(f) for f in workload_files}
+    else:
+        names = [n.strip() for n in workload_names.split(",") if n.strip()]
+        try:
+            files = write_workloads(out / "workloads", n=n_requests, max_chars=prompt_chars, names=names)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from e
+    arm_list = ["stock"] + [a.strip() for a in arms.split(",") if a.strip() and a.strip() != "stock"]
+    bad = [a for a in arm_list if a not in b.INPROCESS_ARMS]
+    if bad:
+        raise click.ClickException(f"unknown arms {bad}; choose from {b.INPROCESS_ARMS}")
+    from .workloads import read_workload
+
+    counts = {k: len(read_workload(v)[:n_requests]) for k, v in files.items()}
+    total = b.total_ticks(counts, arm_list, repetitions, server, concurrency)
+    with click.progressbar(length=total, label="bench", file=sys.stderr) as bar:
+        report = b.run_bench(
+            model_path,
+            files,
+            arms=arm_list,
+            server=server,
+            concurrency=concurrency,
+            repetitions=repetitions,
+            max_tokens=max_tokens,
+            max_requests=n_requests,
+            scripted=scripted,
+            blas=blas,
+            drafter_kwargs={"num_draft_tokens": num_draft_tokens},
+            progress=bar.update,
+            log_dir=out,
+        )
+    click.echo(b.format_table(report))
+    _write_json(out / "bench.json", report)
+    png = b.plot(report, out / "bench.png")
+    click.echo(f"\nwrote {out / 'bench.json'}" + (f" and {png}" if png else " (no matplotlib: no plot)"))
+
+
+@main.command("demo")
+@click.option("--size", type=click.Choice(["tiny", "small", "bench"]), default="small", show_default=True)
+@click.option("--requests", "n_requests", default=6, show_default=True, type=int, help="Requests per workload.")
+@click.option("--max-tokens", default=160, show_default=True, type=int)
+@click.option("--blas", type=click.Choice(["auto", "openblas", "reference"]), default="auto", show_default=True)
+def demo_command(size: str, n_requests: int, max_tokens: int, blas: str) -> None:
+    """Start a stock and a `--draft suffix` mlx_lm.server on a small local
+    model, send agentic and code-edit requests, and compare speed and outputs."""
+    from .demo import run_demo
+
+    try:
+        results = run_demo(size=size, n_requests=n_requests, max_tokens=max_tokens, blas=blas, echo=click.echo)
+    except RuntimeError as e:
+        raise click.ClickException(str(e)) from e
+    if not all(r["outputs_match"] for r in results.values()):
+        raise click.ClickException("outputs of the stock and suffix servers differ")

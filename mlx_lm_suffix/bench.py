@@ -1,0 +1,822 @@
+"""Side-by-side benchmark of stock mlx-lm and suffix decoding.
+
+Arms (in-process, ``mlx_lm.stream_generate``, concurrency 1):
+
+- ``stock``: no drafting.
+- ``suffix-cold``: a fresh :class:`SuffixDrafter` (empty global cache).
+- ``suffix-warm``: a fresh drafter that first replays the workload (untimed).
+- ``oracle``: an upper bound, :class:`OracleDrafter` drafts the exact
+  reference continuation through the same verification loop.
+
+With ``server=True`` the workload also goes through real ``mlx_lm.server``
+subprocesses on 127.0.0.1 at each requested concurrency: ``server-stock`` and
+``server-stock-warm`` (a stock server, first and second pass over the
+workload), ``server-suffix-cold`` and ``server-suffix-warm`` (a fresh
+``--draft suffix`` server, first and second pass). Warm passes are compared
+with ``server-stock-warm``, whose prompt cache is equally warm.
+
+Scripted-target mode (for random-weight models): the real forward runs at
+full cost and :class:`ScriptedProcessor` biases the logits so the greedy
+output is the workload's reference answer. For servers the processor is
+installed by :func:`serve_main` from ``$MLX_LM_SUFFIX_SCRIPT`` (a JSONL of
+``{"prompt_ids", "reference_ids"}``).
+
+Ratios are medians of per-repetition ratios to ``stock`` (the same
+repetition, arm order alternating between repetitions).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from .drafting import Draft, SuffixDrafter
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+#: Environment variable naming the script JSONL read by :func:`serve_main`.
+SCRIPT_ENV = "MLX_LM_SUFFIX_SCRIPT"
+#: Set in a process re-executed with OpenBLAS preloaded.
+BLAS_ENV = "MLX_LM_SUFFIX_BLAS"
+INPROCESS_ARMS = ("stock", "suffix-cold", "suffix-warm", "oracle")
+SERVER_ARMS = ("server-stock", "server-stock-warm", "server-suffix-cold", "server-suffix-warm")
+STATS_PATH = "/v1/suffix/stats"
+USAGE_DRAFTED = "draft_tokens"
+USAGE_ACCEPTED = "accepted_draft_tokens"
+# Tokens at the end of a prompt that identify it in a scripted processor.
+ANCHOR_TOKENS = 48
+BIAS = 1.0e4
+
+
+# --------------------------------------------------------------------- BLAS
+def blas_in_use() -> str:
+    """``"openblas"`` when OpenBLAS is loaded in this process, else ``"reference"``
+    (on macOS: ``"accelerate"``)."""
+    if sys.platform == "darwin":
+        return "accelerate"
+    try:
+        with open("/proc/self/maps") as f:
+            return "openblas" if "libopenblas" in f.read() else "reference"
+    except OSError:
+        return "reference"
+
+
+def maybe_reexec_with_openblas(blas: str, argv: Optional[List[str]] = None) -> None:
+    """With ``blas="auto"`` or ``"openblas"`` on Linux, re-execute this process
+    with OpenBLAS in ``LD_PRELOAD`` (once; the library must exist)."""
+    if blas == "reference" or sys.platform != "linux" or os.environ.get(BLAS_ENV):
+        return
+    argv0 = (argv or sys.argv or [""])[0]
+    if argv is None and not (
+        os.path.basename(argv0) == "mlx-lm-suffix" or argv0.endswith("__main__.py")
+    ):
+        return  # not our CLI (e.g. a test runner): never replace the process
+    if not os.path.exists(OPENBLAS):
+        if blas == "openblas":
+            raise RuntimeError(f"{OPENBLAS} not found: apt-get install -y libopenblas0-pthread")
+        return
+    if blas_in_use() == "openblas":
+        return
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = ":".join(p for p in (OPENBLAS, env.get("LD_PRELOAD")) if p)
+    env[BLAS_ENV] = "openblas"
+    if argv is None:
+        argv = [sys.executable, argv0, *sys.argv[1:]]
+        if argv0.endswith("__main__.py"):
+            argv = [sys.executable, "-m", "mlx_lm_suffix", *sys.argv[1:]]
+    sys.stdout.flush()
+    os.execve(argv[0], argv, env)
+
+
+def blas_env(blas: str) -> Dict[str, str]:
+    """Environment for a subprocess (server) using the same BLAS policy."""
+    env = dict(os.environ)
+    if blas != "reference" and sys.platform == "linux" and os.path.exists(OPENBLAS):
+        env["LD_PRELOAD"] = ":".join(p for p in (OPENBLAS, env.get("LD_PRELOAD")) if p)
+    return env
+
+
+# ------------------------------------------------------------- requests
+@dataclass
+class Request:
+    """One workload request with its tokenization."""
+
+    id: str
+    workload: str
+    session: str
+    turn: int
+    body: Dict[str, Any]  # {"messages": ...} or {"prompt": ...}
+    reference: str
+    prompt_ids: List[int] = field(default_factory=list)
+    reference_ids: List[int] = field(default_factory=list)
+
+
+def prompt_ids_for(tokenizer: Any, body: Dict[str, Any]) -> List[int]:
+    """Token ids of a request as ``mlx_lm.server`` builds them."""
+    if "messages" in body:
+        ids = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True)
+        if isinstance(ids, str):
+            ids = tokenizer.encode(ids, add_special_tokens=False)
+        return [int(t) for t in ids]
+    return [int(t) for t in tokenizer.encode(body["prompt"])]
+
+
+def load_requests(records: Sequence[Dict[str, Any]], tokenizer: Any) -> List[Request]:
+    """Tokenize workload records (see :mod:`mlx_lm_suffix.workloads`)."""
+    out = []
+    for r in records:
+        body = {"messages": r["messages"]} if "messages" in r else {"prompt": r["prompt"]}
+        req = Request(r["id"], r["workload"], str(r["session"]), int(r["turn"]), body, r["reference"])
+        req.prompt_ids = prompt_ids_for(tokenizer, body)
+        req.reference_ids = [int(t) for t in tokenizer.encode(r["reference"], add_special_tokens=False)]
+        out.append(req)
+    return out
+
+
+# ------------------------------------------------------- scripted target
+class ScriptedProcessor:
+    """A logits processor that makes greedy output follow reference answers.
+
+    For each entry ``(prompt_ids, reference_ids)`` it finds, in the token
+    context it is given, the end of the prompt (its last ``anchor`` tokens)
+    followed by a prefix of the reference, and adds a large bias to the next
+    reference token (to EOS after the reference). Contexts matching no entry
+    are left alone. Works with any context the caller passes (whole prompt
+    plus output, or only an uncached tail of at least ``anchor`` tokens).
+    """
+
+    def __init__(
+        self,
+        entries: Sequence[Tuple[Sequence[int], Sequence[int]]],
+        eos_id: int,
+        anchor: int = ANCHOR_TOKENS,
+    ):
+        self.eos_id = int(eos_id)
+        self._by_anchor: Dict[Tuple[int, ...], List[List[int]]] = {}
+        self._anchor = anchor
+        self._max_ref = 0
+        pairs = [([int(t) for t in p], [int(t) for t in r]) for p, r in entries]
+        for prompt, ref in pairs:
+            # The shortest prompt tail (>= anchor) that no other entry with
+            # another reference ends with.
+            length = min(anchor, len(prompt))
+            while length < len(prompt) and any(
+                r2 != ref and len(p2) >= length and p2[-length:] == prompt[-length:]
+                for p2, r2 in pairs
+            ):
+                length = min(len(prompt), length + 16)
+            refs = self._by_anchor.setdefault(tuple(prompt[-length:]), [])
+            if ref not in refs:
+                refs.append(ref)
+            self._max_ref = max(self._max_ref, len(ref))
+        self._lens = sorted({len(k) for k in self._by_anchor})
+        self.hits = 0
+        self._last: Optional[Tuple[int, int, List[int]]] = None
+
+    def target(self, context: Sequence[int]) -> Optional[int]:
+        """The token the script wants after ``context``, or None."""
+        n = len(context)
+        if self._last is not None:  # fast path: the match of the previous call
+            p, a, ref = self._last
+            done = context[p:]
+            if p <= n and len(done) <= len(ref) and tuple(context[p - a : p]) in self._by_anchor:
+                if list(ref[: len(done)]) == list(done):
+                    return ref[len(done)] if len(done) < len(ref) else self.eos_id
+        lo = max(0, n - self._max_ref - 1)
+        for p in range(n, lo - 1, -1):  # p: where the generated part starts
+            for a in self._lens:
+                if p < a:
+                    continue
+                refs = self._by_anchor.get(tuple(context[p - a : p]))
+                if not refs:
+                    continue
+                done = context[p:]
+                for ref in refs:
+                    if len(done) <= len(ref) and list(ref[: len(done)]) == list(done):
+                        self._last = (p, a, ref)
+                        return ref[len(done)] if len(done) < len(ref) else self.eos_id
+        return None
+
+    def __call__(self, tokens: Any, logits: Any) -> Any:
+        import mlx.core as mx
+
+        context = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+        if context and isinstance(context[0], list):  # batched (1, n)
+            context = context[0]
+        tok = self.target(context)
+        if tok is None:
+            return logits
+        self.hits += 1
+        onehot = mx.arange(logits.shape[-1]) == tok
+        return logits + onehot.astype(logits.dtype) * BIAS
+
+
+def write_script(path: str | os.PathLike, requests: Sequence[Request]) -> Path:
+    """Write the script JSONL that :func:`serve_main` reads."""
+    path = Path(path)
+    with path.open("w") as f:
+        for r in requests:
+            f.write(json.dumps({"prompt_ids": r.prompt_ids, "reference_ids": r.reference_ids}) + "\n")
+    return path
+
+
+def read_script(path: str | os.PathLike) -> List[Tuple[List[int], List[int]]]:
+    """Entries of a script JSONL."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            d = json.loads(line)
+            out.append((d["prompt_ids"], d["reference_ids"]))
+    return out
+
+
+def serve_main(argv: Optional[List[str]] = None) -> None:
+    """``mlx_lm.server``'s main with scripted targets: every request's logits
+    processors get a :class:`ScriptedProcessor` over ``$MLX_LM_SUFFIX_SCRIPT``.
+
+    Hooks ``mlx_lm.server._make_logits_processors`` (mlx-lm 0.32.2), which the
+    server calls once per request on both its single and batched paths.
+    """
+    import mlx_lm.server as server
+
+    script = os.environ.get(SCRIPT_ENV)
+    if script:
+        entries = read_script(script)
+        eos = int(os.environ.get("MLX_LM_SUFFIX_SCRIPT_EOS", "2"))
+        stock = server._make_logits_processors
+
+        def make(args):
+            return list(stock(args) or []) + [ScriptedProcessor(entries, eos)]
+
+        server._make_logits_processors = make
+    if argv is not None:
+        sys.argv = ["mlx_lm.server"] + argv
+    server.main()
+
+
+# ---------------------------------------------------------------- oracle
+class OracleDrafter(SuffixDrafter):
+    """Drafts the exact reference continuation (an upper bound): call
+    :meth:`set_reference` before each request. Single request at a time."""
+
+    def __init__(self, **kwargs: Any):
+        kwargs.setdefault("max_cached_requests", 0)
+        super().__init__(**kwargs)
+        self._reference: List[int] = []
+        self._done: Dict[int, int] = {}
+
+    def set_reference(self, reference_ids: Sequence[int]) -> None:
+        """The continuation the next request drafts from."""
+        self._reference = [int(t) for t in reference_ids]
+
+    def start(self, prompt: Sequence[int], scope: Any = None) -> int:
+        req = super().start(prompt, scope)
+        self._done[req] = 0
+        return req
+
+    def commit(self, req_id: int, tokens: Sequence[int]) -> None:
+        super().commit(req_id, tokens)
+        self._done[req_id] = self._done.get(req_id, 0) + len(tokens)
+
+    def draft(self, req_id: int, max_tokens: Optional[int] = None, **kwargs: Any) -> Draft:
+        """The next ``max_tokens`` reference tokens (other arguments ignored)."""
+        limit = self.num_draft_tokens if max_tokens is None else max_tokens
+        i = self._done.get(req_id, 0)
+        toks = self._reference[i : i + max(0, limit)]
+        return Draft(list(toks), [1.0] * len(toks))
+
+    def finish(self, req_id: int) -> None:
+        self._done.pop(req_id, None)
+        super().finish(req_id)
+
+
+# ------------------------------------------------------------ in-process
+@dataclass
+class Sample:
+    """Measurements of one request."""
+
+    tokens: int
+    seconds: float
+    ttft: float
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+    matched: Optional[bool] = None
+
+
+def _peak_memory() -> Optional[int]:
+    try:
+        import mlx.core as mx
+
+        return int(mx.get_peak_memory())
+    except Exception:
+        return None
+
+
+def _reset_peak_memory() -> None:
+    try:
+        import mlx.core as mx
+
+        mx.reset_peak_memory()
+    except Exception:
+        pass
+
+
+def generate_one(
+    model: Any,
+    tokenizer: Any,
+    req: Request,
+    max_tokens: int,
+    drafter: Optional[SuffixDrafter],
+    scripted: bool,
+    eos_id: int,
+    num_draft_tokens: Optional[int] = None,
+) -> Tuple[Sample, List[int]]:
+    """Generate one request with ``mlx_lm.stream_generate``; returns its
+    sample and output tokens."""
+    import mlx_lm
+
+    kwargs: Dict[str, Any] = {}
+    if scripted:
+        kwargs["logits_processors"] = [
+            ScriptedProcessor([(req.prompt_ids, req.reference_ids)], eos_id)
+        ]
+    if drafter is not None:
+        kwargs["draft_model"] = drafter
+        if num_draft_tokens is not None:
+            kwargs["num_draft_tokens"] = num_draft_tokens
+        if isinstance(drafter, OracleDrafter):
+            drafter.set_reference(req.reference_ids)
+        before = drafter.stats.as_dict()
+    out: List[int] = []
+    t0 = time.perf_counter()
+    ttft = 0.0
+    for resp in mlx_lm.stream_generate(model, tokenizer, req.prompt_ids, max_tokens=max_tokens, **kwargs):
+        if not out and resp.generation_tokens:
+            ttft = time.perf_counter() - t0
+        if resp.finish_reason != "stop" or resp.token not in tokenizer.eos_token_ids:
+            out.append(int(resp.token))
+    seconds = time.perf_counter() - t0
+    s = Sample(tokens=len(out), seconds=seconds, ttft=ttft, steps=len(out))
+    if drafter is not None:
+        after = drafter.stats.as_dict()
+        s.drafted = after["drafted"] - before["drafted"]
+        s.accepted = after["accepted"] - before["accepted"]
+        s.steps = after["steps"] - before["steps"]
+    if scripted:
+        s.matched = out == req.reference_ids[: len(out)] and (
+            len(out) == min(max_tokens, len(req.reference_ids))
+        )
+    return s, out
+
+
+def run_inprocess_arm(
+    arm: str,
+    model: Any,
+    tokenizer: Any,
+    requests: Sequence[Request],
+    max_tokens: int,
+    scripted: bool,
+    eos_id: int,
+    drafter_kwargs: Optional[Dict[str, Any]] = None,
+    tick: Callable[[], None] = lambda: None,
+) -> Dict[str, Any]:
+    """Run ``requests`` (in order) through one in-process arm."""
+    drafter_kwargs = drafter_kwargs or {}
+    drafter: Optional[SuffixDrafter] = None
+    if arm in ("suffix-cold", "suffix-warm"):
+        drafter = SuffixDrafter(**drafter_kwargs)
+    elif arm == "oracle":
+        drafter = OracleDrafter(**drafter_kwargs)
+    elif arm != "stock":
+        raise ValueError(f"unknown in-process arm {arm!r}")
+    if arm == "suffix-warm":  # replay once, untimed
+        for req in requests:
+            generate_one(model, tokenizer, req, max_tokens, drafter, scripted, eos_id)
+    _reset_peak_memory()
+    samples = []
+    for req in requests:
+        s, _ = generate_one(model, tokenizer, req, max_tokens, drafter, scripted, eos_id)
+        samples.append(s)
+        tick()
+    return summarize(samples, peak_memory=_peak_memory())
+
+
+def summarize(
+    samples: Sequence[Sample], wall: Optional[float] = None, peak_memory: Optional[int] = None
+) -> Dict[str, Any]:
+    """Aggregate metrics of one arm run. ``wall`` defaults to the sum of the
+    request times (concurrency 1)."""
+    tokens = sum(s.tokens for s in samples)
+    wall = wall if wall is not None else sum(s.seconds for s in samples)
+    drafted = sum(s.drafted for s in samples)
+    accepted = sum(s.accepted for s in samples)
+    steps = sum(s.steps for s in samples)
+    tpots = [(s.seconds - s.ttft) / (s.tokens - 1) for s in samples if s.tokens > 1]
+    matched = [s.matched for s in samples if s.matched is not None]
+    return {
+        "requests": len(samples),
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "steps": steps,
+        "tokens_per_step": tokens / steps if steps else None,
+        "ttft_s": statistics.mean(s.ttft for s in samples) if samples else None,
+        "tpot_s": statistics.mean(tpots) if tpots else None,
+        "peak_memory_bytes": peak_memory,
+        "matched_reference": all(matched) if matched else None,
+    }
+
+
+# ----------------------------------------------------------------- server
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def server_process(
+    model_path: str,
+    *,
+    suffix: bool,
+    script: Optional[Path] = None,
+    eos_id: int = 2,
+    blas: str = "auto",
+    extra_args: Sequence[str] = (),
+    startup_timeout: float = 180.0,
+    log: Optional[Path] = None,
+) -> Iterator[str]:
+    """Start ``mlx_lm.server`` (``--draft suffix`` when ``suffix``) on a free
+    loopback port; yields its base URL and stops it on exit."""
+    port = free_port()
+    env = blas_env(blas)
+    if script is not None:
+        env[SCRIPT_ENV] = str(script)
+        env["MLX_LM_SUFFIX_SCRIPT_EOS"] = str(eos_id)
+    args = ["--model", str(model_path), "--host", "127.0.0.1", "--port", str(port)]
+    if suffix:
+        args += ["--draft", "suffix"]
+    args += list(extra_args)
+    cmd = [sys.executable, "-c", "import sys; from mlx_lm_suffix.bench import serve_main; serve_main(sys.argv[1:])", *args]
+    logf = open(log, "ab") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"server exited with {proc.returncode}: {' '.join(cmd[3:])}"
+                    + (f" (log: {log})" if log else "")
+                )
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=2):
+                    break
+            except OSError:
+                if time.time() > deadline:
+                    raise RuntimeError(f"server did not start within {startup_timeout:.0f}s") from None
+                time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if log:
+            logf.close()
+
+
+def http_generate(url: str, req: Request, max_tokens: int, timeout: float = 600.0) -> Tuple[Sample, str]:
+    """Send one request (streaming, greedy) and measure it."""
+    body = dict(req.body)
+    body.update(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    data = json.dumps(body).encode()
+    hreq = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft = None
+    text = []
+    usage: Dict[str, Any] = {}
+    with urllib.request.urlopen(hreq, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                break
+            chunk = json.loads(payload)
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                if piece:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text.append(piece)
+    seconds = time.perf_counter() - t0
+    n = int(usage.get("completion_tokens", 0))
+    drafted = int(usage.get(USAGE_DRAFTED, 0) or 0)
+    accepted = int(usage.get(USAGE_ACCEPTED, 0) or 0)
+    steps = n - accepted if n else 0
+    return Sample(n, seconds, ttft or seconds, drafted, accepted, steps), "".join(text)
+
+
+def run_server_arm(
+    url: str,
+    requests: Sequence[Request],
+    max_tokens: int,
+    concurrency: int,
+    scripted: bool,
+    tick: Callable[[], None] = lambda: None,
+) -> Dict[str, Any]:
+    """Send the workload to a server with ``concurrency`` sessions in flight
+    (the turns of a session stay in order)."""
+    sessions: Dict[str, List[Request]] = {}
+    for r in requests:
+        sessions.setdefault(r.session, []).append(r)
+    samples: List[Sample] = []
+    lock = threading.Lock()
+
+    def run_session(reqs: List[Request]) -> None:
+        for r in reqs:
+            s, text = http_generate(url, r, max_tokens)
+            if scripted:
+                s.matched = r.reference.startswith(text) and len(text) > 0
+            with lock:
+                samples.append(s)
+            tick()
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for f in [pool.submit(run_session, v) for v in sessions.values()]:
+            f.result()
+    wall = time.perf_counter() - t0
+    return summarize(samples, wall=wall)
+
+
+def server_stats(url: str) -> Optional[Dict[str, Any]]:
+    """The suffix server's stats endpoint, or None."""
+    try:
+        with urllib.request.urlopen(url + STATS_PATH, timeout=5) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+
+
+# ------------------------------------------------------------------ driver
+def is_local_random_model(path: str) -> bool:
+    """True for a model folder built by :mod:`mlx_lm_suffix.tiny_model`."""
+    from .tiny_model import cache_root
+
+    try:
+        p = Path(path).resolve()
+        return (cache_root() / "models").resolve() in p.parents or "mlx_lm_suffix" in str(p)
+    except OSError:
+        return False
+
+
+def _merge(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Median of numeric fields over repetitions."""
+    out: Dict[str, Any] = {}
+    for k in runs[0]:
+        vals = [r[k] for r in runs if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)]
+        if vals and len(vals) == len(runs):
+            out[k] = statistics.median(vals)
+        elif k == "matched_reference":
+            ms = [r[k] for r in runs if r[k] is not None]
+            out[k] = all(ms) if ms else None
+        else:
+            out[k] = runs[0][k]
+    return out
+
+
+def run_bench(
+    model_path: str,
+    workload_files: Dict[str, Path],
+    *,
+    arms: Sequence[str] = INPROCESS_ARMS,
+    server: bool = False,
+    concurrency: Sequence[int] = (1, 8),
+    repetitions: int = 3,
+    max_tokens: int = 256,
+    max_requests: Optional[int] = None,
+    scripted: bool = True,
+    blas: str = "auto",
+    drafter_kwargs: Optional[Dict[str, Any]] = None,
+    progress: Optional[Callable[[int], None]] = None,
+    log_dir: Optional[Path] = None,
+) -> Dict[str, Any]:
+    """Run every arm on every workload; returns the JSON report (see module doc)."""
+    import mlx_lm
+
+    from .workloads import read_workload
+
+    model, tokenizer = mlx_lm.load(str(model_path))
+    eos_id = sorted(tokenizer.eos_token_ids)[0] if tokenizer.eos_token_ids else 0
+    tick = (lambda: progress(1)) if progress else (lambda: None)
+    report: Dict[str, Any] = {
+        "mode": "scripted" if scripted else "real",
+        "blas": blas_in_use(),
+        "model": str(model_path),
+        "platform": f"{platform.system()} {platform.machine()}",
+        "max_tokens": max_tokens,
+        "repetitions": repetitions,
+        "drafter": SuffixDrafter(**(drafter_kwargs or {})).config(),
+        "workloads": {},
+    }
+    workloads = {}
+    for name, path in workload_files.items():
+        recs = read_workload(path)[: max_requests or None]
+        workloads[name] = load_requests(recs, tokenizer)
+
+    # Warm-up (first-call compile/allocation costs stay out of the numbers).
+    first = next(iter(workloads.values()))[0]
+    generate_one(model, tokenizer, first, 4, None, scripted, eos_id)
+
+    tmp = Path(tempfile.mkdtemp(prefix="mlx_lm_suffix_bench_"))
+    for name, requests in workloads.items():
+        wl: Dict[str, Any] = {
+            "requests": len(requests),
+            "reference_tokens": sum(min(len(r.reference_ids), max_tokens) for r in requests),
+            "prompt_tokens": sum(len(r.prompt_ids) for r in requests),
+            "arms": {},
+        }
+        per_rep: List[Dict[str, Dict[str, Any]]] = []
+        for rep in range(repetitions):
+            order = list(arms) if rep % 2 == 0 else list(reversed(arms))
+            per_rep.append(
+                {
+                    a: run_inprocess_arm(a, model, tokenizer, requests, max_tokens, scripted, eos_id, drafter_kwargs, tick)
+                    for a in order
+                }
+            )
+        if server:
+            script = write_script(tmp / f"{name}.script.jsonl", requests) if scripted else None
+            for c in concurrency:
+                for rep in range(repetitions):
+                    res = _server_rep(model_path, requests, max_tokens, c, scripted, script, eos_id, blas, rep, tick, log_dir)
+                    per_rep[rep].update({f"{k}@c{c}": v for k, v in res.items()})
+        all_arms = list(per_rep[0])
+        for a in all_arms:
+            merged = _merge([rep[a] for rep in per_rep if a in rep])
+            base = "stock"
+            if "@" in a:  # warm passes compare with warm passes (server prompt cache)
+                base = ("server-stock-warm@" if "-warm@" in a else "server-stock@") + a.split("@")[1]
+            ratios = [
+                rep[a]["tokens_per_s"] / rep[base]["tokens_per_s"]
+                for rep in per_rep
+                if a in rep and base in rep and rep[base]["tokens_per_s"] > 0
+            ]
+            merged["speedup_vs_stock"] = statistics.median(ratios) if ratios else None
+            merged["speedup_per_rep"] = ratios
+            wl["arms"][a] = merged
+        report["workloads"][name] = wl
+    return report
+
+
+def _server_rep(
+    model_path: str,
+    requests: Sequence[Request],
+    max_tokens: int,
+    concurrency: int,
+    scripted: bool,
+    script: Optional[Path],
+    eos_id: int,
+    blas: str,
+    rep: int,
+    tick: Callable[[], None],
+    log_dir: Optional[Path],
+) -> Dict[str, Dict[str, Any]]:
+    """One repetition of the server arms: a stock server and a fresh suffix
+    server (cold, then warm), in alternating order."""
+    out: Dict[str, Dict[str, Any]] = {}
+    extra: List[str] = []
+
+    def stock() -> None:
+        log = log_dir / "server-stock.log" if log_dir else None
+        with server_process(model_path, suffix=False, script=script, eos_id=eos_id, blas=blas, log=log, extra_args=extra) as url:
+            run_server_arm(url, requests[:1], 4, 1, False)  # warm-up
+            out["server-stock"] = run_server_arm(url, requests, max_tokens, concurrency, scripted, tick)
+            # Second pass: the server's prompt cache is now as warm as the
+            # suffix server's in its warm pass, so they compare fairly.
+            out["server-stock-warm"] = run_server_arm(url, requests, max_tokens, concurrency, scripted, tick)
+
+    def suffix() -> None:
+        log = log_dir / "server-suffix.log" if log_dir else None
+        with server_process(model_path, suffix=True, script=script, eos_id=eos_id, blas=blas, log=log, extra_args=extra) as url:
+            out["server-suffix-cold"] = run_server_arm(url, requests, max_tokens, concurrency, scripted, tick)
+            out["server-suffix-warm"] = run_server_arm(url, requests, max_tokens, concurrency, scripted, tick)
+            stats = server_stats(url)
+            if stats is not None:
+                out["server-suffix-warm"]["server_stats"] = stats
+
+    for f in (stock, suffix) if rep % 2 == 0 else (suffix, stock):
+        f()
+    return out
+
+
+def total_ticks(n_requests: Dict[str, int], arms: Sequence[str], repetitions: int, server: bool, concurrency: Sequence[int]) -> int:
+    """Progress-bar length: requests timed over the whole run."""
+    per = len(arms) + (len(SERVER_ARMS) * len(concurrency) if server else 0)
+    return sum(n_requests.values()) * per * repetitions
+
+
+# ----------------------------------------------------------------- output
+def format_table(report: Dict[str, Any]) -> str:
+    """The report as a terminal table."""
+    head = (
+        f"mode: {report['mode']}  blas: {report['blas']}  model: {report['model']}\n"
+        f"max_tokens {report['max_tokens']}, {report['repetitions']} paired repetition(s); "
+        "speedup = median of per-repetition tok/s ratios to stock\n"
+    )
+    cols = ("workload", "arm", "speedup", "tok/s", "accept", "tok/step", "TTFT ms", "TPOT ms", "peak MB", "match")
+    rows = [cols]
+
+    def f(v: Any, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    for name, wl in report["workloads"].items():
+        for arm, m in wl["arms"].items():
+            pm = m.get("peak_memory_bytes")
+            rows.append(
+                (
+                    name,
+                    arm,
+                    f(m.get("speedup_vs_stock"), ".2f") + ("x" if m.get("speedup_vs_stock") else ""),
+                    f(m["tokens_per_s"], ".1f"),
+                    f(m["acceptance_rate"], ".0%"),
+                    f(m["tokens_per_step"], ".2f"),
+                    f(m["ttft_s"] * 1e3 if m["ttft_s"] is not None else None, ".0f"),
+                    f(m["tpot_s"] * 1e3 if m["tpot_s"] is not None else None, ".1f"),
+                    f(pm / 2**20 if pm else None, ".0f"),
+                    {True: "yes", False: "NO", None: "-"}[m.get("matched_reference")],
+                )
+            )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return head + "\n".join(lines)
+
+
+def plot(report: Dict[str, Any], path: str | os.PathLike) -> Optional[Path]:
+    """Bar charts of speedup and acceptance per workload and arm (PNG);
+    None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = list(report["workloads"])
+    arms = [
+        a
+        for a in dict.fromkeys(a for wl in report["workloads"].values() for a in wl["arms"])
+        if a != "stock" and not a.startswith("server-stock")
+    ]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(names) + 4), 4.2))
+    width = 0.8 / max(1, len(arms))
+    for j, (key, ax, label) in enumerate(
+        ((("speedup_vs_stock"), axes[0], "speedup vs stock (x)"), ("acceptance_rate", axes[1], "acceptance rate"))
+    ):
+        for i, arm in enumerate(arms):
+            vals = [report["workloads"][n]["arms"].get(arm, {}).get(key) or 0.0 for n in names]
+            ax.bar([x + i * width for x in range(len(names))], vals, width, label=arm)
+        ax.set_xticks([x + width * (len(arms) - 1) / 2 for x in range(len(names))], names)
+        ax.set_ylabel(label)
+        if j == 0:
+            ax.axhline(1.0, color="k", lw=0.8)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"mlx-lm-suffix bench ({report['mode']} mode, {report['blas']} BLAS)")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

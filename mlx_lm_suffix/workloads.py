@@ -1,0 +1,298 @@
+"""Benchmark workloads built from text every machine has: the Python
+standard library's own sources and docstrings.
+
+Each workload is a JSONL file, one request per line::
+
+    {"id": "code-edit-0", "workload": "code-edit", "session": "code-edit-0",
+     "turn": 0, "messages": [{"role": "user", "content": "..."}],
+     "reference": "the expected answer text"}
+
+``"prompt"`` (raw text) may replace ``"messages"``. Requests of one
+``"session"`` are sent in ``"turn"`` order (a multi-turn conversation whose
+later prompts contain the earlier answers); different sessions are
+independent. Users can supply their own files in the same format.
+
+Workloads:
+
+- ``code-edit``: a real stdlib source file (truncated) plus an edit
+  instruction; the answer is the edited file (most of it repeats the prompt).
+- ``agentic``: multi-turn sessions whose answers are tool-call JSON and
+  summaries that repeat structure across turns and sessions.
+- ``open-ended``: a question about one module answered with the docstring of
+  another, so answers share little with prompts or earlier answers.
+
+Generation is deterministic: the same Python version gives the same files.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import sysconfig
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+__all__ = [
+    "WORKLOADS",
+    "agentic",
+    "code_edit",
+    "open_ended",
+    "read_workload",
+    "write_workloads",
+]
+
+#: Workload names, in the order they are written and benchmarked.
+WORKLOADS = ("code-edit", "agentic", "open-ended")
+
+# Small, stable, pure-Python stdlib modules (present on every CPython).
+_MODULES = (
+    "textwrap",
+    "shlex",
+    "fnmatch",
+    "glob",
+    "bisect",
+    "colorsys",
+    "queue",
+    "sched",
+    "heapq",
+    "calendar",
+    "string",
+    "netrc",
+    "graphlib",
+    "numbers",
+    "copy",
+    "keyword",
+    "operator",
+    "pprint",
+    "difflib",
+    "zipapp",
+    "tabnanny",
+    "uu",
+    "wave",
+    "filecmp",
+)
+
+
+def _stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"] or os.path.dirname(os.__file__))
+
+
+def _sources() -> List[tuple]:
+    """(module name, source text) for each available module of ``_MODULES``."""
+    out = []
+    for name in _MODULES:
+        path = _stdlib_dir() / f"{name}.py"
+        try:
+            out.append((name, path.read_text(encoding="utf-8")))
+        except OSError:
+            continue
+    if not out:
+        raise RuntimeError(f"no standard library sources found under {_stdlib_dir()}")
+    return out
+
+
+def _truncate(text: str, max_chars: int) -> str:
+    """``text`` cut at a line boundary to at most ``max_chars`` characters."""
+    if len(text) <= max_chars:
+        return text
+    cut = text.rfind("\n", 0, max_chars)
+    return text[: cut + 1 if cut > 0 else max_chars]
+
+
+def _functions(source: str) -> List[str]:
+    return re.findall(r"^def ([A-Za-z_][A-Za-z0-9_]*)\(", source, flags=re.M)
+
+
+def _docstring(source: str) -> Optional[str]:
+    try:
+        return ast.get_docstring(ast.parse(source))
+    except SyntaxError:
+        return None
+
+
+def _user(text: str) -> Dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def code_edit(n: int = 8, max_chars: int = 4000) -> List[Dict[str, Any]]:
+    """Code-edit requests: a source file plus an edit (rename a function
+    everywhere, or add a line after each ``def`` header); the reference is the
+    whole edited file."""
+    records = []
+    sources = [(m, _truncate(s, max_chars)) for m, s in _sources()]
+    for i in range(n):
+        module, src = sources[i % len(sources)]
+        funcs = _functions(src)
+        if i % 2 == 0 and funcs:
+            old = max(funcs, key=lambda f: (src.count(f), f))
+            new = f"{old}_v2"
+            task = (
+                f"Rename the function `{old}` to `{new}` everywhere in `Lib/{module}.py`. "
+                "Reply with the complete updated file only."
+            )
+            edited = re.sub(rf"\b{re.escape(old)}\b", new, src)
+        else:
+            task = (
+                "Add the comment line `# TODO: review` (indented like the body) "
+                "right after every function definition line of "
+                f"`Lib/{module}.py`. Reply with the complete updated file only."
+            )
+            edited = re.sub(
+                r"^(\s*)(def [^\n]*:\n)",
+                lambda m: f"{m.group(1)}{m.group(2)}{m.group(1)}    # TODO: review\n",
+                src,
+                flags=re.M,
+            )
+        records.append(
+            {
+                "id": f"code-edit-{i}",
+                "workload": "code-edit",
+                "session": f"code-edit-{i}",
+                "turn": 0,
+                "messages": [_user(f"File `Lib/{module}.py`:\n```python\n{src}```\n\n{task}")],
+                "reference": edited,
+            }
+        )
+    return records
+
+
+def agentic(n: int = 8, turns: int = 3) -> List[Dict[str, Any]]:
+    """Agentic sessions of ``turns`` turns (``n`` requests in all): the agent
+    greps for a function, reads its lines, and summarises; answers are
+    tool-call JSON and summaries with the same structure every time."""
+    system = {
+        "role": "system",
+        "content": "You are a coding agent. Call tools with one JSON object per "
+        'reply: {"tool": name, "arguments": {...}}. Tools: grep(pattern, path), '
+        "read_file(path, start, end). When done, reply with a summary.",
+    }
+    records: List[Dict[str, Any]] = []
+    candidates = [(m, s, f) for m, s in _sources() for f in _functions(s)[:2]]
+    session = 0
+    while len(records) < n:
+        module, src, func = candidates[session % len(candidates)]
+        lines = src.splitlines()
+        start = next(i for i, ln in enumerate(lines) if ln.startswith(f"def {func}("))
+        end = min(len(lines), start + 12)
+        path = f"Lib/{module}.py"
+        messages = [system, _user(f"Where is `{func}` defined in {path}, and what does it do?")]
+        answers = [
+            json.dumps({"tool": "grep", "arguments": {"pattern": f"def {func}(", "path": path}}),
+            json.dumps(
+                {"tool": "read_file", "arguments": {"path": path, "start": start + 1, "end": end}}
+            ),
+        ]
+        doc = (_docstring(src) or "").strip().splitlines()
+        first_doc = doc[0] if doc else f"the {module} module"
+        answers.append(
+            f"Summary:\n- Function: `{func}`\n- File: `{path}`\n"
+            f"- Lines: {start + 1}-{end}\n- Module: {first_doc}\n"
+            f"- Signature: `{lines[start].rstrip(':')}`\n- Status: done"
+        )
+        results = [
+            f"{path}:{start + 1}:{lines[start]}",
+            "\n".join(f"{k + 1}: {lines[k]}" for k in range(start, end)),
+        ]
+        for t in range(min(turns, n - len(records))):
+            records.append(
+                {
+                    "id": f"agentic-{session}-{t}",
+                    "workload": "agentic",
+                    "session": f"agentic-{session}",
+                    "turn": t,
+                    "messages": [dict(m) for m in messages],
+                    "reference": answers[t],
+                }
+            )
+            messages.append({"role": "assistant", "content": answers[t]})
+            if t < len(results):
+                messages.append(_user(f"Tool result:\n{results[t]}"))
+        session += 1
+    return records
+
+
+def open_ended(n: int = 8, max_chars: int = 1500) -> List[Dict[str, Any]]:
+    """Open-ended requests: a question about one module whose reference is
+    the docstring of another, unrelated module."""
+    docs = [(m, d) for m, s in _sources() if (d := _docstring(s))]
+    half = max(1, len(docs) // 2)
+    records = []
+    for i in range(n):
+        asked = docs[i % len(docs)][0]
+        _, answer = docs[(i + half) % len(docs)]
+        records.append(
+            {
+                "id": f"open-ended-{i}",
+                "workload": "open-ended",
+                "session": f"open-ended-{i}",
+                "turn": 0,
+                "messages": [_user(f"In a few paragraphs, what is the `{asked}` module for?")],
+                "reference": _truncate(answer, max_chars),
+            }
+        )
+    return records
+
+
+def build(name: str, n: int = 8, max_chars: int = 4000) -> List[Dict[str, Any]]:
+    """The records of workload ``name`` (one of :data:`WORKLOADS`)."""
+    if name == "code-edit":
+        return code_edit(n, max_chars)
+    if name == "agentic":
+        return agentic(n)
+    if name == "open-ended":
+        return open_ended(n, max(200, max_chars // 2))
+    raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
+
+
+def write_workloads(
+    directory: str | os.PathLike,
+    n: int = 8,
+    max_chars: int = 4000,
+    names: Optional[List[str]] = None,
+) -> Dict[str, Path]:
+    """Write each workload as ``<directory>/<name>.jsonl``; returns name -> path.
+
+    ``n`` is the number of requests per workload, ``max_chars`` the length of
+    the source files in code-edit prompts (about 3-4 characters a token).
+    """
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name in names or WORKLOADS:
+        path = out / f"{name}.jsonl"
+        with path.open("w", encoding="utf-8") as f:
+            for record in build(name, n, max_chars):
+                f.write(json.dumps(record) + "\n")
+        paths[name] = path
+    return paths
+
+
+def read_workload(path: str | os.PathLike) -> List[Dict[str, Any]]:
+    """Read and validate a workload JSONL; records are returned sorted by
+    (session order of first appearance, turn). Missing ``id``/``session``/
+    ``turn``/``workload`` fields get defaults (each record its own session)."""
+    path = Path(path)
+    records = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{path}:{lineno}: invalid JSON: {e}") from e
+        if not isinstance(r, dict) or ("messages" in r) == ("prompt" in r):
+            raise ValueError(f"{path}:{lineno}: need exactly one of 'messages' or 'prompt'")
+        if not isinstance(r.get("reference"), str):
+            raise ValueError(f"{path}:{lineno}: 'reference' must be a string")
+        r.setdefault("id", f"{path.stem}-{lineno}")
+        r.setdefault("workload", path.stem)
+        r.setdefault("session", r["id"])
+        r.setdefault("turn", 0)
+        records.append(r)
+    first = {}
+    for i, r in enumerate(records):
+        first.setdefault(r["session"], i)
+    records.sort(key=lambda r: (first[r["session"]], r["turn"]))
+    return records

@@ -1,0 +1,128 @@
+"""End-to-end tests of the workloads, the bench command and the demo on the
+tiny model (short settings)."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from mlx_lm_suffix import bench, workloads
+from mlx_lm_suffix.cli import main
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_path):
+    import mlx_lm
+
+    return mlx_lm.load(str(tiny_model_path))
+
+
+@pytest.fixture(scope="module")
+def requests(tmp_path_factory, loaded):
+    d = tmp_path_factory.mktemp("wl")
+    files = workloads.write_workloads(d, n=3, max_chars=600)
+    _, tokenizer = loaded
+    return {k: bench.load_requests(workloads.read_workload(v), tokenizer) for k, v in files.items()}
+
+
+def test_workloads_deterministic_and_valid(tmp_path):
+    a = workloads.write_workloads(tmp_path / "a", n=4, max_chars=800)
+    b = workloads.write_workloads(tmp_path / "b", n=4, max_chars=800)
+    assert set(a) == set(workloads.WORKLOADS)
+    for name in a:
+        assert a[name].read_bytes() == b[name].read_bytes()
+        recs = workloads.read_workload(a[name])
+        assert len(recs) == 4 and all(r["reference"] for r in recs)
+    agentic = workloads.read_workload(a["agentic"])
+    # Later turns of a session contain the earlier answers.
+    assert agentic[1]["session"] == agentic[0]["session"]
+    assert agentic[0]["reference"] in [m["content"] for m in agentic[1]["messages"]]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n')
+    with pytest.raises(ValueError):
+        workloads.read_workload(bad)
+
+
+@pytest.mark.parametrize("arm", ["stock", "suffix", "oracle"])
+def test_scripted_output_is_the_reference(loaded, requests, arm):
+    model, tokenizer = loaded
+    drafter = {"stock": None, "suffix": bench.SuffixDrafter(), "oracle": bench.OracleDrafter()}[arm]
+    eos = sorted(tokenizer.eos_token_ids)[0]
+    for req in requests["code-edit"][:2] + requests["agentic"][:2]:
+        s, out = bench.generate_one(model, tokenizer, req, 32, drafter, True, eos)
+        assert out == req.reference_ids[:32]
+        assert s.matched
+
+
+def test_scripted_processor_tells_apart_same_endings():
+    common = list(range(100, 160))
+    entries = [([1, 2, 3] + common, [7, 8]), ([4, 5, 6] + common, [9, 10])]
+    sp = bench.ScriptedProcessor(entries, eos_id=0, anchor=8)
+    assert sp.target([1, 2, 3] + common) == 7
+    assert sp.target([4, 5, 6] + common + [9]) == 10
+    assert sp.target([4, 5, 6] + common + [9, 10]) == 0  # EOS after the reference
+    assert sp.target([11, 12, 13]) is None
+
+
+def test_oracle_accepts_all_drafts(loaded, requests):
+    model, tokenizer = loaded
+    eos = sorted(tokenizer.eos_token_ids)[0]
+    m = bench.run_inprocess_arm("oracle", model, tokenizer, requests["open-ended"], 40, True, eos)
+    assert m["drafted"] > 0
+    assert m["acceptance_rate"] >= 0.99
+    assert m["tokens_per_step"] > 3
+
+
+def test_bench_command(tmp_path, tiny_model_path):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench", "--model", str(tiny_model_path), "--scripted", "--blas", "reference",
+            "--requests", "2", "--max-tokens", "24", "--repetitions", "1",
+            "--prompt-chars", "600", "--workloads", "code-edit,agentic", "--out", str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    report = json.loads((out / "bench.json").read_text())
+    assert report["mode"] == "scripted"
+    assert report["blas"] in ("openblas", "reference", "accelerate")
+    assert set(report["workloads"]) == {"code-edit", "agentic"}
+    for wl in report["workloads"].values():
+        assert list(wl["arms"]) == ["stock", "suffix-cold", "suffix-warm", "oracle"]
+        for arm, m in wl["arms"].items():
+            assert m["tokens"] > 0 and m["tokens_per_s"] > 0
+            assert m["speedup_vs_stock"] > 0 and len(m["speedup_per_rep"]) == 1
+            assert m["matched_reference"] is True
+            for key in ("ttft_s", "tpot_s", "tokens_per_step"):
+                assert m[key] is not None
+            if arm != "stock":
+                assert 0.0 <= m["acceptance_rate"] <= 1.0
+        assert wl["arms"]["stock"]["speedup_vs_stock"] == 1.0
+        assert wl["arms"]["oracle"]["acceptance_rate"] >= 0.99
+    assert (out / "bench.png").stat().st_size > 0
+    assert "mode: scripted" in result.output
+
+
+def test_bench_server_arms_and_demo(tmp_path, tiny_model_path, models_dir):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench", "--model", str(tiny_model_path), "--scripted", "--blas", "reference",
+            "--requests", "2", "--max-tokens", "16", "--repetitions", "1", "--arms", "stock",
+            "--prompt-chars", "600", "--workloads", "agentic", "--server",
+            "--concurrency", "2", "--out", str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    arms = json.loads((out / "bench.json").read_text())["workloads"]["agentic"]["arms"]
+    assert set(arms) == {"stock"} | {f"{a}@c2" for a in bench.SERVER_ARMS}
+    assert arms["server-suffix-warm@c2"]["drafted"] > 0
+    assert all(m["matched_reference"] for m in arms.values())
+
+    result = CliRunner(env={"MLX_LM_SUFFIX_HOME": str(models_dir)}).invoke(
+        main, ["demo", "--size", "tiny", "--requests", "2", "--max-tokens", "16", "--blas", "reference"]
+    )
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert "outputs identical" in result.output
