@@ -400,9 +400,11 @@ def run_inprocess_arm(
     if arm in ("suffix-cold", "suffix-warm"):
         drafter = SuffixDrafter(**drafter_kwargs)
     elif arm == "oracle":
-        drafter = OracleDrafter(**drafter_kwargs)
+        drafter = OracleDrafter(**{**drafter_kwargs, "policy": "fixed"})
     elif arm != "stock":
         raise ValueError(f"unknown in-process arm {arm!r}")
+    if drafter is not None:
+        drafter.ensure_cost(model)  # the cost calibration stays out of the timings
     if arm == "suffix-warm":  # replay once, untimed
         for req in requests:
             generate_one(model, tokenizer, req, max_tokens, drafter, scripted, eos_id)
@@ -432,6 +434,9 @@ def summarize(
         "tokens": tokens,
         "seconds": wall,
         "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        # Generation throughput after the first token (prefill excluded), as
+        # mlx-lm's "Generation: ... tokens-per-sec".
+        "decode_tokens_per_s": _decode_rate(samples),
         "drafted": drafted,
         "accepted": accepted,
         "acceptance_rate": accepted / drafted if drafted else None,
@@ -442,6 +447,12 @@ def summarize(
         "peak_memory_bytes": peak_memory,
         "matched_reference": all(matched) if matched else None,
     }
+
+
+def _decode_rate(samples: Sequence[Sample]) -> Optional[float]:
+    decode = sum(s.seconds - s.ttft for s in samples if s.tokens > 1)
+    tokens = sum(s.tokens - 1 for s in samples if s.tokens > 1)
+    return tokens / decode if decode > 0 else None
 
 
 # ----------------------------------------------------------------- server
@@ -680,7 +691,7 @@ def run_bench(
             script = write_script(tmp / f"{name}.script.jsonl", requests) if scripted else None
             for c in concurrency:
                 for rep in range(repetitions):
-                    res = _server_rep(model_path, requests, max_tokens, c, scripted, script, eos_id, blas, rep, tick, log_dir)
+                    res = _server_rep(model_path, requests, max_tokens, c, scripted, script, eos_id, blas, rep, tick, log_dir, server_flags(drafter_kwargs))
                     per_rep[rep].update({f"{k}@c{c}": v for k, v in res.items()})
         all_arms = list(per_rep[0])
         for a in all_arms:
@@ -695,9 +706,25 @@ def run_bench(
             ]
             merged["speedup_vs_stock"] = statistics.median(ratios) if ratios else None
             merged["speedup_per_rep"] = ratios
+            decode = [
+                rep[a]["decode_tokens_per_s"] / rep[base]["decode_tokens_per_s"]
+                for rep in per_rep
+                if a in rep and base in rep
+                and rep[a]["decode_tokens_per_s"] and rep[base]["decode_tokens_per_s"]
+            ]
+            merged["decode_speedup_vs_stock"] = statistics.median(decode) if decode else None
             wl["arms"][a] = merged
         report["workloads"][name] = wl
     return report
+
+
+def server_flags(drafter_kwargs: Optional[Dict[str, Any]]) -> List[str]:
+    """``mlx_lm.server`` flags for the drafter settings of the in-process arms."""
+    flags = []
+    for k, v in (drafter_kwargs or {}).items():
+        name = k if k == "num_draft_tokens" else f"suffix_{k}"
+        flags += [f"--{name.replace('_', '-')}", str(v)]
+    return flags
 
 
 def _server_rep(
@@ -712,15 +739,16 @@ def _server_rep(
     rep: int,
     tick: Callable[[], None],
     log_dir: Optional[Path],
+    suffix_args: Sequence[str] = (),
 ) -> Dict[str, Dict[str, Any]]:
     """One repetition of the server arms: a stock server and a fresh suffix
-    server (cold, then warm), in alternating order."""
+    server (cold, then warm; started with ``suffix_args``), in alternating
+    order."""
     out: Dict[str, Dict[str, Any]] = {}
-    extra: List[str] = []
 
     def stock() -> None:
         log = log_dir / "server-stock.log" if log_dir else None
-        with server_process(model_path, suffix=False, script=script, eos_id=eos_id, blas=blas, log=log, extra_args=extra) as url:
+        with server_process(model_path, suffix=False, script=script, eos_id=eos_id, blas=blas, log=log) as url:
             run_server_arm(url, requests[:1], 4, 1, False)  # warm-up
             out["server-stock"] = run_server_arm(url, requests, max_tokens, concurrency, scripted, tick)
             # Second pass: the server's prompt cache is now as warm as the
@@ -729,7 +757,7 @@ def _server_rep(
 
     def suffix() -> None:
         log = log_dir / "server-suffix.log" if log_dir else None
-        with server_process(model_path, suffix=True, script=script, eos_id=eos_id, blas=blas, log=log, extra_args=extra) as url:
+        with server_process(model_path, suffix=True, script=script, eos_id=eos_id, blas=blas, log=log, extra_args=suffix_args) as url:
             out["server-suffix-cold"] = run_server_arm(url, requests, max_tokens, concurrency, scripted, tick)
             out["server-suffix-warm"] = run_server_arm(url, requests, max_tokens, concurrency, scripted, tick)
             stats = server_stats(url)
@@ -753,9 +781,10 @@ def format_table(report: Dict[str, Any]) -> str:
     head = (
         f"mode: {report['mode']}  blas: {report['blas']}  model: {report['model']}\n"
         f"max_tokens {report['max_tokens']}, {report['repetitions']} paired repetition(s); "
-        "speedup = median of per-repetition tok/s ratios to stock\n"
+        "speedup = median of per-repetition tok/s ratios to stock (end to end); "
+        "decode = the same after the first token (prefill excluded)\n"
     )
-    cols = ("workload", "arm", "speedup", "tok/s", "accept", "tok/step", "TTFT ms", "TPOT ms", "peak MB", "match")
+    cols = ("workload", "arm", "speedup", "decode", "tok/s", "accept", "tok/step", "TTFT ms", "TPOT ms", "peak MB", "match")
     rows = [cols]
 
     def f(v: Any, fmt: str) -> str:
@@ -769,6 +798,8 @@ def format_table(report: Dict[str, Any]) -> str:
                     name,
                     arm,
                     f(m.get("speedup_vs_stock"), ".2f") + ("x" if m.get("speedup_vs_stock") else ""),
+                    f(m.get("decode_speedup_vs_stock"), ".2f")
+                    + ("x" if m.get("decode_speedup_vs_stock") else ""),
                     f(m["tokens_per_s"], ".1f"),
                     f(m["acceptance_rate"], ".0%"),
                     f(m["tokens_per_step"], ".2f"),

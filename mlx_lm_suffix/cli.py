@@ -253,6 +253,13 @@ def parity_command(
 )
 @click.option("--blas", type=click.Choice(["auto", "openblas", "reference"]), default="auto", show_default=True)
 @click.option("--num-draft-tokens", default=DEFAULT_NUM_DRAFT_TOKENS, show_default=True, type=int)
+@click.option(
+    "--suffix-policy",
+    type=click.Choice(["adaptive", "fixed"]),
+    default="adaptive",
+    show_default=True,
+    help="Draft-length policy of the suffix arms (fixed: as long as the trees allow).",
+)
 @click.option("--out", "out_dir", default="bench-results", show_default=True, type=click.Path(file_okay=False))
 def bench_command(
     model: Optional[str],
@@ -269,6 +276,7 @@ def bench_command(
     scripted: Optional[bool],
     blas: str,
     num_draft_tokens: int,
+    suffix_policy: str,
     out_dir: str,
 ) -> None:
     """Compare stock mlx-lm, suffix decoding (cold and warm global cache) and
@@ -311,7 +319,7 @@ def bench_command(
             max_requests=n_requests,
             scripted=scripted,
             blas=blas,
-            drafter_kwargs={"num_draft_tokens": num_draft_tokens},
+            drafter_kwargs={"num_draft_tokens": num_draft_tokens, "policy": suffix_policy},
             progress=bar.update,
             log_dir=out,
         )
