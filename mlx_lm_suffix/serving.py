@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple
@@ -165,6 +166,8 @@ class ModelEntry:
     drafter: Optional[SuffixDrafter]  # None: the model cannot roll back
     batch_stats: BatchDraftStats = field(default_factory=BatchDraftStats)
     persisted: bool = False
+    # The model's batch generators alive (the server's generation thread).
+    generators: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
 
 
 @dataclass
@@ -219,6 +222,7 @@ class SuffixServing:
                 drafter = None
                 if can_trim_prompt_cache(cache):
                     drafter = self._new_drafter()
+                    drafter.ensure_cost(model)  # at load, not in a request
                     try:
                         batch_ok = can_rollback_batch(_merge_caches([cache]))
                     except Exception:
@@ -370,6 +374,15 @@ class SuffixServing:
             global _shutdown_done
             _shutdown_done = True
 
+    def abandon_batches(self) -> None:
+        """Stop the drafter requests of every batch generator (after the
+        generation loop failed and dropped them)."""
+        with self._lock:
+            entries = list(self.entries.values())
+        for e in entries:
+            for generator in list(e.generators):
+                generator.close()
+
     # ------------------------------------------------------------- stats
     def stats_payload(self) -> Dict[str, Any]:
         keys = ("drafted", "accepted", "tokens", "steps", "requests")
@@ -515,6 +528,12 @@ def request_info(handler: Any) -> Optional[RequestInfo]:
         raise ValueError(f"num_draft_tokens must be a non-negative integer, got {n!r}")
     if n < 0:
         raise ValueError(f"num_draft_tokens must be a non-negative integer, got {n}")
+    if urlsplit(handler.path).path == "/v1/completions" and "prompt" in handler.body:
+        prompt = handler.body["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            # Stock: an empty one ends the generation thread, other types
+            # fail in the tokenizer.
+            raise ValueError("prompt must be a non-empty string")
     scope = scope_key(handler.body, handler.headers) if state.scope == "user" else None
     handler.requested_draft_model = "default_model"
     drafting = draft is not None and n > 0
@@ -548,6 +567,10 @@ _admission = threading.local()
 def note_prompt(cli_args: Any, request: Any, prompt: Sequence[int]) -> None:
     if state_for(cli_args) is None:
         return
+    if len(prompt) == 0:
+        # Stock inserts it into the batch, whose ValueError ends the
+        # generation thread; raised here, it fails this request only.
+        raise ValueError("The prompt is empty: it encodes to no tokens.")
     _admission.value = (getattr(request, _REQUEST_ATTR, None), list(prompt))
 
 
@@ -578,13 +601,15 @@ def make_batch_generator(stock_cls: Callable[..., Any], model: Any, **kwargs: An
     entry = _entry_for_model(model)
     if entry is None or entry.drafter is None:
         return stock_cls(model, **kwargs)
-    return SuffixBatchGenerator(
+    generator = SuffixBatchGenerator(
         model,
         entry.drafter,
         options_source=batch_row_options,
         stats=entry.batch_stats,
         **kwargs,
     )
+    entry.generators.add(generator)
+    return generator
 
 
 def _entry_for_model(model: Any) -> Optional[ModelEntry]:
@@ -654,3 +679,97 @@ def _count_usage(gen: Iterator[Any], drafter: SuffixDrafter, usage: RequestUsage
         close = getattr(gen, "close", None)
         if close is not None:
             close()
+
+
+# -------------------------------------------------------------- failures
+_IN_FLIGHT_ATTR = "_mlx_lm_suffix_in_flight"
+
+
+def _in_flight(generator: Any) -> "weakref.WeakSet":
+    queues = getattr(generator, _IN_FLIGHT_ATTR, None)
+    if queues is None:
+        queues = weakref.WeakSet()
+        setattr(generator, _IN_FLIGHT_ATTR, queues)
+    return queues
+
+
+def note_request_taken(generator: Any, item: Any) -> None:
+    """The generation thread took ``(rqueue, request, args)`` off the queue."""
+    if item is not None and state_for(generator.cli_args) is not None:
+        _in_flight(generator).add(item[0])
+
+
+def run_generation(generator: Any, stock_run: Callable[[Any], None]) -> None:
+    """The generation thread of a suffix server.
+
+    Stock ``_run_generate`` lets any exception of the generation loop (e.g.
+    in a batched forward) end the thread: every later request then fails
+    with "generation thread died", and the requests in flight wait for it to
+    notice. Here the requests in flight get the error, the drafter requests
+    of the abandoned batch are stopped, and the loop starts again (it keeps
+    the loaded model and prompt cache). A loop that fails before taking any
+    request (e.g. the model does not load) ends as in stock.
+    """
+    state = state_for(generator.cli_args)
+    if state is None:
+        return stock_run(generator)
+    queues = _in_flight(generator)
+    while True:
+        queues.clear()  # (finished requests' queues are gone or drained)
+        try:
+            generator._generate()
+            return
+        except Exception as e:
+            logger.exception("mlx-lm-suffix: the generation loop failed: %s", e)
+            taken = list(queues)
+            error = RuntimeError(f"generation failed: {type(e).__name__}: {e}")
+            for q in taken:
+                q.put(error)  # extra items in finished requests' queues are never read
+            state.abandon_batches()
+            if generator._stop or not taken:
+                generator._generation_failed = True
+                return
+            logger.warning(
+                "mlx-lm-suffix: failed %d request(s) in flight; generation restarted",
+                len(taken),
+            )
+
+
+def answer_error(handler: Any, error: BaseException) -> None:
+    """Answer a POST whose handling raised (stock lets the exception close
+    the connection without a response): a JSON error while nothing was
+    sent, an error event on a started stream. A client that went away gets
+    nothing."""
+    handler.close_connection = True
+    if isinstance(error, (BrokenPipeError, ConnectionResetError)):
+        logger.debug("mlx-lm-suffix: client disconnected: %s", error)
+        return
+    generating = getattr(handler, _GENERATING_ATTR, False)
+    logger.error("mlx-lm-suffix: request failed: %s", error, exc_info=generating)
+    message = str(error) or type(error).__name__
+    buffered = getattr(handler, "_headers_buffer", None)
+    try:
+        if buffered or buffered is None:  # no header reached the client
+            handler._headers_buffer = []
+            if isinstance(error, UnicodeDecodeError):
+                message = f"Invalid JSON in request body: {error}"
+            body = json.dumps({"error": message}).encode()
+            handler._set_completion_headers(500 if generating else 400)
+            handler.send_header("Content-Length", str(len(body)))
+            handler.end_headers()
+            handler.wfile.write(body)
+        elif getattr(handler, "stream", False):
+            event = {"error": {"message": message, "type": "server_error", "code": 500}}
+            handler.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+        handler.wfile.flush()
+    except OSError:
+        pass
+
+
+_GENERATING_ATTR = "_mlx_lm_suffix_generating"
+
+
+def mark_generating(handler: Any, generating: bool = True) -> None:
+    """Whether the request being handled reached generation (an error after
+    that is the server's: 500)."""
+    setattr(handler, _GENERATING_ATTR, generating)
