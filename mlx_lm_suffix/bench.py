@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .drafting import Draft, SuffixDrafter
+from .workloads import read_jsonl, read_workload
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 #: Environment variable naming the script JSONL read by :func:`serve_main`.
@@ -235,12 +236,7 @@ def write_script(path: str | os.PathLike, requests: Sequence[Request]) -> Path:
 
 def read_script(path: str | os.PathLike) -> List[Tuple[List[int], List[int]]]:
     """Entries of a script JSONL."""
-    out = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            d = json.loads(line)
-            out.append((d["prompt_ids"], d["reference_ids"]))
-    return out
+    return [(d["prompt_ids"], d["reference_ids"]) for _, d in read_jsonl(path)]
 
 
 def serve_main(argv: Optional[List[str]] = None) -> None:
@@ -645,8 +641,6 @@ def run_bench(
 ) -> Dict[str, Any]:
     """Run every arm on every workload; returns the JSON report (see module doc)."""
     import mlx_lm
-
-    from .workloads import read_workload
 
     model, tokenizer = mlx_lm.load(str(model_path))
     eos_id = sorted(tokenizer.eos_token_ids)[0] if tokenizer.eos_token_ids else 0

@@ -363,6 +363,26 @@ def patch_server(module: ModuleType) -> None:
 
     rg_cls._tokenize = _tokenize
 
+    # ResponseGenerator._next_request(timeout) -> (rqueue, request, args) or
+    # None, and _run_generate() (the generation thread's body, which stock
+    # ends at the first exception): fail the requests in flight and restart.
+    stock_next_request = rg_cls._next_request
+
+    @functools.wraps(stock_next_request)
+    def _next_request(self, timeout=None):
+        item = stock_next_request(self, timeout)
+        serving.note_request_taken(self, item)
+        return item
+
+    rg_cls._next_request = _next_request
+    stock_run_generate = rg_cls._run_generate
+
+    @functools.wraps(stock_run_generate)
+    def _run_generate(self):
+        serving.run_generation(self, stock_run_generate)
+
+    rg_cls._run_generate = _run_generate
+
     # _serve_single calls the module-global `stream_generate(model=...,
     # tokenizer=..., prompt=rest, ..., draft_model=provider.draft_model,
     # num_draft_tokens=...)`.
@@ -394,6 +414,7 @@ def patch_server(module: ModuleType) -> None:
     @functools.wraps(stock_handle_completion)
     def handle_completion(self, request, stop_words):
         serving.attach_request_info(request, getattr(self, "_mlx_lm_suffix", None))
+        serving.mark_generating(self)
         return stock_handle_completion(self, request, stop_words)
 
     handler_cls.handle_completion = handle_completion
@@ -408,6 +429,23 @@ def patch_server(module: ModuleType) -> None:
             return serving.add_usage(response, getattr(self, "_mlx_lm_suffix", None))
 
         setattr(handler_cls, name, functools.wraps(stock_method)(method))
+
+    # APIHandler.do_POST(): on suffix servers, an exception (a body that is
+    # not UTF-8, a failed generation) is answered instead of dropping the
+    # connection without a response.
+    stock_do_post = handler_cls.do_POST
+
+    @functools.wraps(stock_do_post)
+    def do_POST(self):
+        if serving.state_for(self.response_generator.cli_args) is None:
+            return stock_do_post(self)
+        serving.mark_generating(self, False)
+        try:
+            stock_do_post(self)
+        except Exception as e:
+            serving.answer_error(self, e)
+
+    handler_cls.do_POST = do_POST
 
     # APIHandler.do_GET(): GET /v1/suffix/stats on suffix servers.
     stock_do_get = handler_cls.do_GET

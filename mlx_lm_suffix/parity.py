@@ -100,19 +100,14 @@ def builtin_prompts() -> List[str]:
 def read_prompts(path: Union[str, os.PathLike]) -> List[Prompt]:
     """Read prompts from JSONL: ``{"prompt": "text" | [token ids]}`` per
     line (a bare JSON string also works)."""
+    from .workloads import read_jsonl
+
     prompts: List[Prompt] = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON: {e}") from e
-            prompt = entry.get("prompt") if isinstance(entry, dict) else entry
-            if not isinstance(prompt, (str, list)):
-                raise ValueError(f"{path}:{lineno}: expected a prompt string or token list")
-            prompts.append(prompt)
+    for lineno, entry in read_jsonl(path):
+        prompt = entry.get("prompt") if isinstance(entry, dict) else entry
+        if not isinstance(prompt, (str, list)):
+            raise ValueError(f"{path}:{lineno}: expected a prompt string or token list")
+        prompts.append(prompt)
     return prompts
 
 

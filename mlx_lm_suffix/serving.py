@@ -534,6 +534,15 @@ def request_info(handler: Any) -> Optional[RequestInfo]:
             # Stock: an empty one ends the generation thread, other types
             # fail in the tokenizer.
             raise ValueError("prompt must be a non-empty string")
+    stop = handler.body.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(w, str) for w in stop))
+    ):
+        # Stock: a TypeError in the generation thread, which ends it.
+        raise ValueError("stop must be a string or a list of strings")
+    options = handler.body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise ValueError("stream_options must be an object")
     scope = scope_key(handler.body, handler.headers) if state.scope == "user" else None
     handler.requested_draft_model = "default_model"
     drafting = draft is not None and n > 0

@@ -145,18 +145,13 @@ def load_cost_file(path: Union[str, os.PathLike]) -> CostFn:
 
 def read_records(path: Union[str, os.PathLike]) -> List[Dict[str, Any]]:
     """Read a JSONL log of ``{"prompt", "response"[, "user"]}`` objects."""
+    from .workloads import read_jsonl
+
     records = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON: {e}") from e
-            if not isinstance(rec, dict) or "prompt" not in rec or "response" not in rec:
-                raise ValueError(f"{path}:{lineno}: needs 'prompt' and 'response'")
-            records.append(rec)
+    for lineno, rec in read_jsonl(path):
+        if not isinstance(rec, dict) or "prompt" not in rec or "response" not in rec:
+            raise ValueError(f"{path}:{lineno}: needs 'prompt' and 'response'")
+        records.append(rec)
     return records
 
 

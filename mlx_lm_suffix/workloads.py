@@ -32,7 +32,7 @@ import os
 import re
 import sysconfig
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 __all__ = [
     "WORKLOADS",
@@ -269,19 +269,26 @@ def write_workloads(
     return paths
 
 
+def read_jsonl(path: str | os.PathLike) -> Iterator[Tuple[int, Any]]:
+    """``(line number, value)`` for each non-blank line of a JSONL file;
+    ``ValueError`` naming the file and line on invalid JSON."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON: {e}") from e
+
+
 def read_workload(path: str | os.PathLike) -> List[Dict[str, Any]]:
     """Read and validate a workload JSONL; records are returned sorted by
     (session order of first appearance, turn). Missing ``id``/``session``/
     ``turn``/``workload`` fields get defaults (each record its own session)."""
     path = Path(path)
     records = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except ValueError as e:
-            raise ValueError(f"{path}:{lineno}: invalid JSON: {e}") from e
+    for lineno, r in read_jsonl(path):
         if not isinstance(r, dict) or ("messages" in r) == ("prompt" in r):
             raise ValueError(f"{path}:{lineno}: need exactly one of 'messages' or 'prompt'")
         if not isinstance(r.get("reference"), str):
