@@ -345,3 +345,32 @@ def demo_command(size: str, n_requests: int, max_tokens: int, blas: str) -> None
         raise click.ClickException(str(e)) from e
     if not all(r["outputs_match"] for r in results.values()):
         raise click.ClickException("outputs of the stock and suffix servers differ")
+
+
+@main.command("soak")
+@click.option("--model", default=None, help="Model to serve. Default: the tiny test model.")
+@click.option("--requests", "n_requests", default=500, show_default=True)
+@click.option("--max-tokens", default=32, show_default=True)
+@click.option("--max-concurrency", default=8, show_default=True)
+@click.option("--distinct-prompts", default=40, show_default=True)
+@click.option("--disconnect-rate", default=0.15, show_default=True)
+@click.option("--max-cached-requests", default=50, show_default=True)
+@click.option("--max-cached-tokens", default=20000, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--log-dir", default=None, help="Server logs. Default: a temporary folder.")
+@click.option("--json-out", default=None, help="Write the summary as JSON here.")
+def soak_command(model, n_requests, max_tokens, max_concurrency, distinct_prompts,
+                 disconnect_rate, max_cached_requests, max_cached_tokens, seed,
+                 log_dir, json_out) -> None:
+    """Soak a `--draft suffix` server: N requests at mixed concurrency with
+    disconnects; checks outputs against a stock server, leaks and bounds."""
+    from .soak import run_soak
+
+    result = run_soak(
+        model=model, requests=n_requests, max_tokens=max_tokens,
+        max_concurrency=max_concurrency, distinct_prompts=distinct_prompts,
+        disconnect_rate=disconnect_rate, max_cached_requests=max_cached_requests,
+        max_cached_tokens=max_cached_tokens, seed=seed, log_dir=log_dir,
+        json_out=json_out, echo=click.echo,
+    )
+    sys.exit(0 if result["ok"] else 1)

@@ -1,0 +1,78 @@
+"""Test-only launcher: ``mlx_lm.server`` (patched by mlx-lm-suffix as
+usual) whose loaded models raise in chosen forwards.
+
+    python tests/fault_server.py --model ... --draft suffix ...
+
+Environment:
+
+- ``FAULT_TOKEN``: a token id. A forward over more than one token per row
+  (a verification forward, or a prompt chunk) that is not the first forward
+  of its cache and contains this token raises ``RuntimeError`` instead of
+  running. Pick a token that no prompt contains: then only verification
+  forwards (a draft, or a pending token followed by a draft) can raise.
+- ``FAULT_MAX``: how many times to raise (default 1); later forwards run.
+
+The product code has no hook for this: the launcher swaps the class of
+each model the server loads for a subclass whose ``__call__`` checks.
+"""
+
+import os
+import sys
+
+import mlx.core as mx
+import mlx_lm.server as server
+
+FAULT_TOKEN = int(os.environ.get("FAULT_TOKEN", "-1"))
+FAULT_MAX = int(os.environ.get("FAULT_MAX", "1"))
+_faults = [0]
+
+
+def _offset(cache):
+    if not cache:
+        return 0
+    offset = getattr(cache[0], "offset", 0)
+    if isinstance(offset, mx.array):
+        return int(offset.max().item()) if offset.size else 0
+    return int(offset)
+
+
+def _should_fail(inputs, cache) -> bool:
+    if FAULT_TOKEN < 0 or _faults[0] >= FAULT_MAX:
+        return False
+    if inputs.ndim != 2 or inputs.shape[1] < 2 or _offset(cache) == 0:
+        return False
+    return bool(mx.any(inputs == FAULT_TOKEN).item())
+
+
+def _make_faulty(model) -> None:
+    cls = type(model)
+    if getattr(cls, "_fault_injected", False):
+        return
+
+    def __call__(self, inputs, *args, **kwargs):
+        cache = kwargs.get("cache", args[0] if args else None)
+        if _should_fail(inputs, cache):
+            _faults[0] += 1
+            print(f"fault_server: injected fault {_faults[0]} "
+                  f"(inputs {tuple(inputs.shape)})", file=sys.stderr, flush=True)
+            raise RuntimeError(f"injected fault: token {FAULT_TOKEN} in a verification forward")
+        return cls.__call__(self, inputs, *args, **kwargs)
+
+    model.__class__ = type(f"Faulty{cls.__name__}", (cls,), {
+        "__call__": __call__, "_fault_injected": True})
+
+
+_load = server.ModelProvider._load
+
+
+def _faulty_load(self, *args, **kwargs):
+    _load(self, *args, **kwargs)
+    if self.model is not None:
+        _make_faulty(self.model)
+
+
+server.ModelProvider._load = _faulty_load
+
+if __name__ == "__main__":
+    sys.argv[0] = "mlx_lm.server"
+    server.main()

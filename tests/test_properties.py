@@ -1,0 +1,167 @@
+"""Property-based tests (hypothesis) of the batched verification loop and the
+drafter lifecycle, driving the real :class:`SuffixBatchGenerator` (real
+``BatchKVCache``, real rollback) with a deterministic fake model whose next
+token depends on every token in its KV cache: a rollback that keeps or drops
+the wrong positions changes the output.
+
+(``test_verification.py`` covers the acceptance rule and ``rollback_batch``
+alone; these tests run whole generations.)
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.cache import KVCache
+
+from mlx_lm_suffix.batch import RowOptions, SuffixBatchGenerator
+from mlx_lm_suffix.drafting import Draft, SuffixDrafter
+
+V = 50
+
+
+class CacheModel(nn.Module):
+    """next = (a * sum(tokens in cache) + b * count + c) % V, per position;
+    the tokens are the cache's keys, left padding excluded."""
+
+    def __init__(self, a, b, c):
+        super().__init__()
+        self.abc = (a, b, c)
+
+    def make_cache(self):
+        return [KVCache()]
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        B, L = inputs.shape
+        x = inputs.astype(mx.float32).reshape(B, 1, L, 1)
+        keys, _ = cache[0].update_and_fetch(x, x)
+        T = keys.shape[2]
+        k = keys.reshape(B, T)
+        lp = getattr(cache[0], "left_padding", None)
+        lp = mx.zeros((B,), mx.int32) if lp is None else lp
+        t = mx.arange(T)
+        end = T - L + mx.arange(L)
+        mask = (t[None, None, :] >= lp[:, None, None]) & (t[None, None, :] <= end[None, :, None])
+        s = (mask * k[:, None, :]).sum(-1)
+        n = mask.sum(-1)
+        a, b, c = self.abc
+        nxt = ((a * s + b * n + c) % V).astype(mx.int32)
+        return mx.where(mx.arange(V)[None, None, :] == nxt[..., None], 100.0, 0.0)
+
+
+def reference(abc, prompt, n):
+    a, b, c = abc
+    seq = list(prompt)
+    out = []
+    for _ in range(n):
+        t = (a * sum(seq) + b * len(seq) + c) % V
+        out.append(t)
+        seq.append(t)
+    return out
+
+
+class PlannedDrafter(SuffixDrafter):
+    """The real drafter's lifecycle; drafts: the true continuation for a
+    chosen number of tokens, then wrong tokens (per row and step)."""
+
+    def __init__(self, abc, plans, **kw):
+        super().__init__(policy="fixed", **kw)
+        self.abc, self.plans, self.seqs, self.ids = abc, plans, {}, []
+
+    def start(self, prompt, scope=None):
+        req = super().start(prompt, scope)
+        self.ids.append(req)
+        self.seqs[req] = [list(prompt), self.plans[len(self.ids) - 1 :] or [(0, 0)]]
+        return req
+
+    def commit(self, req, tokens):
+        super().commit(req, tokens)
+        self.seqs[req][0].extend(int(t) for t in tokens)
+
+    def draft(self, req, max_tokens=None, base=1):
+        seq, plan = self.seqs[req]
+        right, wrong = plan[len(seq) % len(plan)]
+        true = reference(self.abc, seq, right + 1)
+        tokens = true[:right] + [(true[right] + 1 + i) % V for i in range(wrong)]
+        limit = self.num_draft_tokens if max_tokens is None else max_tokens
+        tokens = tokens[:limit]
+        return Draft(tokens, [0.9] * len(tokens))
+
+
+abc_st = st.tuples(st.integers(1, 7), st.integers(0, 5), st.integers(0, V - 1))
+prompt_st = st.lists(st.integers(0, V - 1), min_size=1, max_size=12)
+plan_st = st.lists(st.tuples(st.integers(0, 6), st.integers(0, 3)), min_size=1, max_size=6)
+
+
+def _generate(model, drafter, prompts, max_tokens, num_draft):
+    gen = SuffixBatchGenerator(model, drafter, num_draft_tokens=num_draft,
+                               completion_batch_size=len(prompts), prefill_batch_size=8)
+    uids = gen.insert(prompts, max_tokens=max_tokens)
+    out = {u: [] for u in uids}
+    for _ in range(10_000):
+        _, responses = gen.next()
+        for r in responses:
+            out[r.uid].append(r.token)
+        if all(len(out[u]) >= m for u, m in zip(uids, max_tokens)):
+            break
+    gen.close()
+    return [out[u] for u in uids]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(abc=abc_st, prompts=st.lists(prompt_st, min_size=1, max_size=4),
+       plans=st.lists(plan_st, min_size=4, max_size=4),
+       lengths=st.lists(st.integers(1, 24), min_size=4, max_size=4),
+       num_draft=st.integers(1, 8))
+def test_batched_verification_equals_stepwise_greedy(abc, prompts, plans, lengths, num_draft):
+    """Single rows and batches whose rows accept different counts (uneven
+    rollbacks) commit exactly the step-by-step greedy sequence."""
+    model = CacheModel(*abc)
+    drafter = PlannedDrafter(abc, [p for plan in plans for p in plan])
+    lengths = lengths[: len(prompts)]
+    got = _generate(model, drafter, prompts, lengths, num_draft)
+    assert got == [reference(abc, p, n) for p, n in zip(prompts, lengths)]
+    assert drafter.active_requests == 0
+    assert len(set(drafter.ids)) == len(drafter.ids)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(abc=abc_st, data=st.data())
+def test_drafter_lifecycle_under_random_interleavings(abc, data):
+    """Random inserts (with and without the drafter), steps and removals
+    through the batch generator's extend / filter / remove paths, then
+    close: no drafter request stays active and no id is reused. Rows that
+    finish generate the greedy sequence."""
+    model = CacheModel(*abc)
+    drafter = PlannedDrafter(abc, data.draw(plan_st))
+    gen = SuffixBatchGenerator(model, drafter, num_draft_tokens=4,
+                               completion_batch_size=3, prefill_batch_size=2)
+    live, prompts, out, finished = [], {}, {}, set()
+    for _ in range(data.draw(st.integers(1, 25))):
+        op = data.draw(st.sampled_from(["insert", "step", "step", "remove"]))
+        if op == "insert":
+            p = data.draw(prompt_st)
+            m = data.draw(st.integers(1, 12))
+            opts = data.draw(st.sampled_from([None, RowOptions(use_drafter=False),
+                                              RowOptions(num_draft_tokens=0)]))
+            (u,) = gen.insert([p], max_tokens=[m], options=[opts])
+            live.append(u)
+            prompts[u], out[u] = (p, m), []
+        elif op == "step":
+            _, responses = gen.next()
+            for r in responses:
+                out[r.uid].append(r.token)
+                if r.finish_reason is not None:
+                    finished.add(r.uid)
+                    live.remove(r.uid)
+        elif live:
+            u = data.draw(st.sampled_from(live))
+            gen.remove([u])
+            live.remove(u)
+        assert drafter.active_requests <= len(live)
+    gen.close()
+    assert drafter.active_requests == 0
+    assert len(set(drafter.ids)) == len(drafter.ids)
+    for u in finished:
+        p, m = prompts[u]
+        assert out[u] == reference(abc, p, m)
