@@ -14,6 +14,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from mlx_lm_suffix.batch import RequestUsage, RowOptions, SuffixBatchGenerator
 from mlx_lm_suffix.drafting import SuffixDrafter
+from mlx_lm_suffix.policy import VerifyCost
 
 MAX_TOKENS = 32
 
@@ -410,4 +411,18 @@ def test_adaptive_policy_picks_one_width_per_batch(model_and_tokenizer, prompts)
         gen.close()
         assert tokens == ref
     assert drafter.cost is not None  # measured at the first drafting step
-    assert drafter.stats.drafted > 0
+
+    # With a known cost curve (timings on a loaded machine vary): cheap
+    # verification drafts, verification that costs a full step per token
+    # does not (uncertain drafts never pay), and outputs never change.
+    lengths = {}
+    for name, points in (("cheap", {1: 1.0, 256: 1.05}), ("dear", {1: 1.0, 2: 2.0})):
+        d = SuffixDrafter(policy="adaptive", cost=VerifyCost(points))
+        for _ in range(2):
+            gen = _suffix_gen(model, tokenizer, d)
+            tokens, _ = _run(gen, prompts, [MAX_TOKENS] * len(prompts))
+            gen.close()
+            assert tokens == ref
+        lengths[name] = d.stats.drafted / max(d.stats.draft_steps, 1)
+        assert d.cost.points[1] > 0
+    assert lengths["cheap"] > 1 and lengths["cheap"] > lengths["dear"]
