@@ -825,17 +825,20 @@ def plot(report: Dict[str, Any], path: str | os.PathLike) -> Optional[Path]:
         for a in dict.fromkeys(a for wl in report["workloads"].values() for a in wl["arms"])
         if a != "stock" and not a.startswith("server-stock")
     ]
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(names) + 4), 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(max(11, 3 * len(names) + 5), 4.2))
     width = 0.8 / max(1, len(arms))
-    for j, (key, ax, label) in enumerate(
-        ((("speedup_vs_stock"), axes[0], "speedup vs stock (x)"), ("acceptance_rate", axes[1], "acceptance rate"))
-    ):
+    panels = (
+        ("decode_speedup_vs_stock", axes[0], "decode speedup vs stock (x)"),
+        ("speedup_vs_stock", axes[1], "end-to-end speedup vs stock (x)"),
+        ("acceptance_rate", axes[2], "acceptance rate"),
+    )
+    for j, (key, ax, label) in enumerate(panels):
         for i, arm in enumerate(arms):
             vals = [report["workloads"][n]["arms"].get(arm, {}).get(key) or 0.0 for n in names]
             ax.bar([x + i * width for x in range(len(names))], vals, width, label=arm)
         ax.set_xticks([x + width * (len(arms) - 1) / 2 for x in range(len(names))], names)
         ax.set_ylabel(label)
-        if j == 0:
+        if j < 2:
             ax.axhline(1.0, color="k", lw=0.8)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"mlx-lm-suffix bench ({report['mode']} mode, {report['blas']} BLAS)")
