@@ -241,7 +241,8 @@ def parity_command(
     "--arms",
     default="stock,suffix-cold,suffix-warm,oracle",
     show_default=True,
-    help="In-process arms (comma-separated; stock is always included).",
+    help="In-process arms (comma-separated; stock is always included), or "
+    "'none' for the server arms alone.",
 )
 @click.option("--server/--no-server", default=False, show_default=True, help="Also run the server arms.")
 @click.option("--concurrency", default="1,8", show_default=True, callback=_list_of(int), help="Server concurrencies.")
@@ -299,7 +300,12 @@ def bench_command(
             files = write_workloads(out / "workloads", n=n_requests, max_chars=prompt_chars, names=names)
         except ValueError as e:
             raise click.ClickException(str(e)) from e
-    arm_list = ["stock"] + [a.strip() for a in arms.split(",") if a.strip() and a.strip() != "stock"]
+    if arms.strip() == "none":
+        if not server:
+            raise click.ClickException("--arms none needs --server")
+        arm_list = []
+    else:
+        arm_list = ["stock"] + [a.strip() for a in arms.split(",") if a.strip() and a.strip() != "stock"]
     bad = [a for a in arm_list if a not in b.INPROCESS_ARMS]
     if bad:
         raise click.ClickException(f"unknown arms {bad}; choose from {b.INPROCESS_ARMS}")
