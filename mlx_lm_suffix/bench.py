@@ -712,6 +712,16 @@ def run_bench(
     return report
 
 
+WARM_UP = Request("warm-up", "warm-up", "warm-up", 0, {"prompt": "Warm-up."}, "")
+
+
+def warm_up(url: str) -> None:
+    """One short request unrelated to the workloads, so that model loading,
+    the cost calibration and first-call compilation stay out of the timings
+    of both servers alike."""
+    http_generate(url, WARM_UP, 4)
+
+
 def server_flags(drafter_kwargs: Optional[Dict[str, Any]]) -> List[str]:
     """``mlx_lm.server`` flags for the drafter settings of the in-process arms."""
     flags = []
@@ -743,7 +753,7 @@ def _server_rep(
     def stock() -> None:
         log = log_dir / "server-stock.log" if log_dir else None
         with server_process(model_path, suffix=False, script=script, eos_id=eos_id, blas=blas, log=log) as url:
-            run_server_arm(url, requests[:1], 4, 1, False)  # warm-up
+            warm_up(url)
             out["server-stock"] = run_server_arm(url, requests, max_tokens, concurrency, scripted, tick)
             # Second pass: the server's prompt cache is now as warm as the
             # suffix server's in its warm pass, so they compare fairly.
@@ -752,6 +762,7 @@ def _server_rep(
     def suffix() -> None:
         log = log_dir / "server-suffix.log" if log_dir else None
         with server_process(model_path, suffix=True, script=script, eos_id=eos_id, blas=blas, log=log, extra_args=suffix_args) as url:
+            warm_up(url)
             out["server-suffix-cold"] = run_server_arm(url, requests, max_tokens, concurrency, scripted, tick)
             out["server-suffix-warm"] = run_server_arm(url, requests, max_tokens, concurrency, scripted, tick)
             stats = server_stats(url)
