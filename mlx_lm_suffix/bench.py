@@ -52,7 +52,16 @@ OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 SCRIPT_ENV = "MLX_LM_SUFFIX_SCRIPT"
 #: Set in a process re-executed with OpenBLAS preloaded.
 BLAS_ENV = "MLX_LM_SUFFIX_BLAS"
-INPROCESS_ARMS = ("stock", "suffix-cold", "suffix-warm", "oracle")
+INPROCESS_ARMS = (
+    "stock",
+    "suffix-cold",
+    "suffix-warm",
+    "oracle",
+    # The same with fixed-length drafting, to compare the policies in one run.
+    "suffix-cold-fixed",
+    "suffix-warm-fixed",
+)
+DEFAULT_ARMS = ("stock", "suffix-cold", "suffix-warm", "oracle")
 SERVER_ARMS = ("server-stock", "server-stock-warm", "server-suffix-cold", "server-suffix-warm")
 STATS_PATH = "/v1/suffix/stats"
 USAGE_DRAFTED = "draft_tokens"
@@ -395,13 +404,15 @@ def run_inprocess_arm(
     drafter: Optional[SuffixDrafter] = None
     if arm in ("suffix-cold", "suffix-warm"):
         drafter = SuffixDrafter(**drafter_kwargs)
+    elif arm in ("suffix-cold-fixed", "suffix-warm-fixed"):
+        drafter = SuffixDrafter(**{**drafter_kwargs, "policy": "fixed"})
     elif arm == "oracle":
         drafter = OracleDrafter(**{**drafter_kwargs, "policy": "fixed"})
     elif arm != "stock":
         raise ValueError(f"unknown in-process arm {arm!r}")
     if drafter is not None:
         drafter.ensure_cost(model)  # the cost calibration stays out of the timings
-    if arm == "suffix-warm":  # replay once, untimed
+    if arm.startswith("suffix-warm"):  # replay once, untimed
         for req in requests:
             generate_one(model, tokenizer, req, max_tokens, drafter, scripted, eos_id)
     _reset_peak_memory()
@@ -627,7 +638,7 @@ def run_bench(
     model_path: str,
     workload_files: Dict[str, Path],
     *,
-    arms: Sequence[str] = INPROCESS_ARMS,
+    arms: Sequence[str] = DEFAULT_ARMS,
     server: bool = False,
     concurrency: Sequence[int] = (1, 8),
     repetitions: int = 3,
