@@ -18,7 +18,6 @@ from __future__ import annotations
 import http.client
 import json
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -29,20 +28,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from .bench import free_port
+
 __all__ = ["run_soak"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Server:
     """``mlx_lm.server`` in a subprocess on 127.0.0.1; log to a file."""
 
     def __init__(self, model: str, args: List[str], log_path: Path, timeout: float = 300):
-        self.port = _free_port()
+        self.port = free_port()
         self.host = "127.0.0.1"
         self.log_path = log_path
         self._log = open(log_path, "w")
