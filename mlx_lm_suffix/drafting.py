@@ -322,6 +322,18 @@ class SuffixDrafter:
             self._cached[req_id] = (scope, response)
             self._cached_tokens += len(response)
         self._evict()
+        self._drop_if_empty(scope)
+
+    def _drop_if_empty(self, scope: Hashable) -> None:
+        # A user scope with nothing active or cached keeps no tree around.
+        cache = self._caches.get(scope)
+        if (
+            scope is not None
+            and cache is not None
+            and not cache.active_requests
+            and not cache.cached_requests
+        ):
+            del self._caches[scope]
 
     def _evict(self) -> None:
         while self._cached and (
@@ -330,10 +342,8 @@ class SuffixDrafter:
         ):
             req_id, (scope, response) = self._cached.popitem(last=False)
             self._cached_tokens -= len(response)
-            cache = self._caches[scope]
-            cache.evict_cached_response(req_id)
-            if scope is not None and not cache.active_requests and not cache.cached_requests:
-                del self._caches[scope]
+            self._caches[scope].evict_cached_response(req_id)
+            self._drop_if_empty(scope)
 
     # ------------------------------------------------------------ persistence
     def add_responses(self, responses: Iterable[Tuple[Hashable, Sequence[int]]]) -> int:

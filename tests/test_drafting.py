@@ -38,6 +38,14 @@ def test_scopes_are_isolated():
     alice = d.start([3], scope="alice")
     d.commit(alice, [100, 101, 102, 103])
     assert d.draft(alice).tokens[:3] == [104, 105, 106]
+    # Bob's finished response stays cached, so his scope stays; a scope with
+    # nothing active or cached keeps no tree (here: nothing is ever cached).
+    d.finish(bob)
+    assert "bob" in d._caches
+    nocache = SuffixDrafter(max_cached_requests=0)
+    r = nocache.start([1], scope="carol")
+    nocache.finish(r)
+    assert nocache._caches == {}
 
 
 def test_bounds_evict_oldest_first():
