@@ -5,27 +5,29 @@ whose :meth:`~SuffixGenerationBatch.next` verifies drafts for every row in
 one forward, and :class:`SuffixBatchGenerator` is a ``BatchGenerator`` that
 uses it. Written against mlx-lm 0.32.2.
 
-One step, for a batch of ``B`` rows:
+One call of :meth:`~SuffixGenerationBatch.next`, for a batch of ``B`` rows:
 
-1. Every row has a *pending* token ``p_i``: the target's choice after the
-   row's last emitted token (``GenerationBatch._next_tokens``), not yet in
-   the KV cache. It is emitted this step whatever happens, so it is fed to the
-   row's drafter first and the row drafts ``d_i`` (any length, possibly none)
-   from its context ``... p_i``. Drafts are capped by the row's remaining
-   ``max_tokens``, the context limit, and its own ``num_draft_tokens``; with
-   the drafter's adaptive policy, one width for the whole batch is chosen
-   from the drafts' probabilities and the measured verification cost.
-2. No row drafted: the exact stock single-token step (with its asynchronous
-   pipelining). Otherwise every row's ``[p_i] + d_i`` is right-padded to the
-   longest ``1 + K`` and the batch runs one forward of shape ``(B, 1 + K)``.
-   Logits processors run per position over the row's accepted prefix, and
-   each row samples all its positions.
-3. Row ``i`` accepts the longest prefix ``a_i`` of ``d_i`` that equals the
-   sampled tokens, emits ``[p_i] + d_i[:a_i]`` and keeps the sampled token
-   after them as its next pending token. The batch KV cache drops each row's
-   ``K - a_i`` rejected positions (padding included) with
+1. The exact stock single-token step: every row emits its *pending* token
+   ``p_i`` (the target's choice after its last emitted token) and the forward
+   over the ``p_i`` is queued asynchronously; its samples ``s_i`` are the next
+   pending tokens. Rows that finish leave the batch, as in stock.
+2. While that forward runs, every row feeds ``p_i`` to its drafter and drafts
+   ``d_i`` after it, capped by the row's remaining ``max_tokens``, the context
+   limit and its own ``num_draft_tokens``; with the drafter's adaptive policy,
+   one width for the whole batch is chosen from the drafts' probabilities and
+   the measured verification cost. No draft: done, the step stayed pipelined.
+3. Otherwise wait for the ``s_i``: a draft whose first token differs from
+   ``s_i`` is dropped at no further cost. If any row's draft survives, every
+   row's ``[s_i] + d_i[1:]`` is right-padded to the longest ``1 + K`` and the
+   batch runs one forward of shape ``(B, 1 + K)``. Logits processors run per
+   position over the row's accepted prefix, and each row samples all its
+   positions.
+4. Row ``i`` accepts the longest prefix ``a_i`` of ``d_i[1:]`` that equals
+   the sampled tokens, emits ``[s_i] + d_i[1:1 + a_i]`` and keeps the sampled
+   token after them as its next pending token. The batch KV cache drops each
+   row's ``K - a_i`` rejected positions (padding included) with
    :func:`~mlx_lm_suffix.verification.rollback_batch`.
-4. Emitted tokens pass, one at a time and in order, through the row's stop
+5. Emitted tokens pass, one at a time and in order, through the row's stop
    sequence matcher and ``max_tokens`` count, exactly as stock does. A row
    that finishes in the middle of its accepted tokens emits nothing after the
    finishing token, and its returned KV cache and ``all_tokens`` are trimmed
@@ -38,7 +40,6 @@ token; the pending token is not in the cache.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from mlx_lm.models.cache import TokenBuffer, trim_prompt_cache
 
 from .drafting import Draft, SuffixDrafter
 from .generation import context_limit
-from .policy import best_batch_lengths
+from .policy import best_batch_lengths, given_first
 from .verification import accepted_length, can_rollback_batch, rollback_batch
 
 __all__ = [
@@ -160,13 +161,10 @@ class SuffixGenerationBatch(GenerationBatch):
         self.max_context = max_context
         self.draft_stats = stats if stats is not None else BatchDraftStats()
         self._warned_rollback = False
-        # Pending tokens already fed to the drafters (by next()).
-        self._precommitted = False
         uids = kwargs.get("uids", args[1] if len(args) > 1 else [])
         self._req: List[Optional[int]] = [None] * len(uids)
         self._k: List[int] = [0] * len(uids)
         self._usage: List[Optional[RequestUsage]] = [None] * len(uids)
-        self._expected: List[float] = []
         super().__init__(*args, **kwargs)
 
     @classmethod
@@ -262,11 +260,9 @@ class SuffixGenerationBatch(GenerationBatch):
     def _step(self) -> Tuple[List[int], List[mx.array]]:
         # The stock single-token step; feed the emitted tokens to the drafters.
         tokens, logprobs = super()._step()
-        if not self._precommitted:
-            for req, t in zip(self._req, tokens):
-                if req is not None:
-                    self.drafter.commit(req, [t])
-        self._precommitted = False
+        for req, t in zip(self._req, tokens):
+            if req is not None:
+                self.drafter.commit(req, [t])
         zeros = [0] * len(tokens)
         self._record(zeros, zeros)
         self.draft_stats.plain_steps += 1
@@ -290,55 +286,81 @@ class SuffixGenerationBatch(GenerationBatch):
             return False
         return True
 
-    def _drafts(self, pending: List[int]) -> List[List[int]]:
-        """Feed each row's pending token to its drafter and draft after it.
-        (The trees' probability sum of each draft goes to ``_expected``.)
-
-        With the drafter's adaptive policy, one draft width ``K`` is chosen
-        for the whole batch (the longest row sets the forward's shape) to
-        maximise expected committed tokens per second of all rows
-        (:func:`~mlx_lm_suffix.policy.best_batch_lengths`)."""
-        adaptive = getattr(self.drafter, "policy", "fixed") == "adaptive"
-        if adaptive:
-            self.drafter.ensure_cost(self.model)  # once per drafter
+    def _drafts(self) -> List[Draft]:
+        """Each row's draft after its last emitted token, whose successor the
+        queued forward is computing: that forward checks the first draft
+        token, so a draft needs 2 tokens or more to gain anything. Capped by
+        the row's ``num_draft_tokens``, remaining ``max_tokens`` and the
+        context limit; with the adaptive policy, cut to the batch width that
+        would pay if every row's first token is confirmed."""
         offsets = None
         if self.max_context is not None:
             offsets = self.prompt_cache[0].offset.tolist()
         drafts: List[Draft] = []
         for i, (req, k) in enumerate(zip(self._req, self._k)):
-            if req is None:
-                drafts.append(Draft())
-                continue
-            self.drafter.commit(req, [pending[i]])
-            # Room after the pending token: max_tokens, context, stop.
-            room = self.max_tokens[i] - self._num_tokens[i] - 1
+            # The draft replaces the next pending token and what follows it.
+            room = self.max_tokens[i] - self._num_tokens[i]
             if offsets is not None:
-                room = min(room, self.max_context - offsets[i] - 1)
-            if k > 0 and room > 0:
-                matcher = copy.copy(self._matchers[i])
-                if matcher.advance(pending[i]):
-                    room = 0
+                room = min(room, self.max_context - offsets[i])
             k = min(k, room)
-            drafts.append(self.drafter.draft(req, k) if k > 0 else Draft())
-        if adaptive and self.drafter.cost is not None and any(drafts):
-            lengths = best_batch_lengths(
-                [d.probs for d in drafts], self.drafter.cost, self.drafter.calibration.ratio
+            drafts.append(self.drafter.propose(req, k) if req is not None and k > 1 else Draft())
+        if self._adaptive() and any(drafts):
+            tails = best_batch_lengths(
+                [given_first(d.probs) for d in drafts],
+                self.drafter.cost,
+                self.drafter.calibration.ratio,
             )
-            drafts = [d.truncate(n) for d, n in zip(drafts, lengths)]
-        self._expected = [float(sum(d.probs)) for d in drafts]
-        return [d.tokens for d in drafts]
+            drafts = [d.truncate(n + 1 if n else 0) for d, n in zip(drafts, tails)]
+        return [d if len(d) > 1 else Draft() for d in drafts]
+
+    def _adaptive(self) -> bool:
+        return getattr(self.drafter, "policy", "fixed") == "adaptive" and (
+            getattr(self.drafter, "cost", None) is not None
+        )
 
     def next(self) -> List[GenerationBatch.Response]:
         if not self.uids:
             return []
         if not self._can_draft():
             return super().next()
-        pending = self._next_tokens.tolist()
-        drafts = self._drafts(pending)
+        if getattr(self.drafter, "policy", "fixed") == "adaptive":
+            self.drafter.ensure_cost(self.model)  # once per drafter
+        # The stock pipelined step: emits the pending tokens and queues the
+        # forward after them, which the drafting below overlaps.
+        responses = super().next()
+        if not self.uids or not self._can_draft():
+            return responses
+        drafts = self._drafts()
         if not any(drafts):
-            self._precommitted = True
-            return super().next()
-        return self._verify(pending, drafts)
+            return responses
+        # Wait for the queued forward: its tokens check each draft's first.
+        nxt = self._next_tokens.tolist()
+        tails: List[List[int]] = []
+        for i, (d, t) in enumerate(zip(drafts, nxt)):
+            if d and d.tokens[0] != t:
+                self._record_miss(i, d)
+                d = Draft()
+            tails.append(d)
+        if self._adaptive() and any(tails):
+            widths = best_batch_lengths(
+                [given_first(d.probs) for d in tails],
+                self.drafter.cost,
+                self.drafter.calibration.ratio,
+            )
+            tails = [d.truncate(n + 1 if n else 0) for d, n in zip(tails, widths)]
+        if not any(tails):
+            return responses
+        for req, t in zip(self._req, nxt):
+            if req is not None:
+                self.drafter.commit(req, [t])
+        return responses + self._verify(nxt, [d.tokens[1:] for d in tails], tails)
+
+    def _record_miss(self, i: int, draft: Draft) -> None:
+        """Count a draft whose first token the plain forward rejected."""
+        usage = self._usage[i]
+        if usage is not None:
+            usage.drafted += 1
+        self.drafter.record(drafted=1, accepted=0, steps=0, expected=draft.probs[0])
 
     def _process_logits(
         self, logits: mx.array, pending: List[int], drafts: List[List[int]]
@@ -374,8 +396,12 @@ class SuffixGenerationBatch(GenerationBatch):
         return mx.stack([s(logprobs[i]) for i, s in enumerate(samplers)])
 
     def _verify(
-        self, pending: List[int], drafts: List[List[int]]
+        self, pending: List[int], drafts: List[List[int]], checked: List[Draft]
     ) -> List[GenerationBatch.Response]:
+        """Feed every row's pending token plus its draft (right-padded) in one
+        forward and emit what each row accepts. ``checked[i]``: row ``i``'s
+        whole draft when the plain forward confirmed its first token (the
+        pending token), else empty; ``drafts[i]`` is the rest of it."""
         B = len(self.uids)
         K = max(len(d) for d in drafts)
         inputs = mx.array(
@@ -458,7 +484,12 @@ class SuffixGenerationBatch(GenerationBatch):
                 if self.logits_processors and self.logits_processors[i]:
                     self._token_context[i] = TokenBuffer(self.tokens[i])
 
-        self._record([len(d) for d in drafts], accepted, used, self._expected)
+        self._record(
+            [len(c) for c in checked],
+            [a + 1 if c else 0 for a, c in zip(accepted, checked)],
+            [u + 1 if c else 0 for u, c in zip(used, checked)],
+            [float(sum(c.probs)) for c in checked],
+        )
         if len(keep) < B:
             self.filter(keep)
         return responses

@@ -296,8 +296,8 @@ class OracleDrafter(SuffixDrafter):
         super().commit(req_id, tokens)
         self._done[req_id] = self._done.get(req_id, 0) + len(tokens)
 
-    def draft(self, req_id: int, max_tokens: Optional[int] = None, **kwargs: Any) -> Draft:
-        """The next ``max_tokens`` reference tokens (other arguments ignored)."""
+    def propose(self, req_id: int, max_tokens: Optional[int] = None) -> Draft:
+        """The next ``max_tokens`` reference tokens."""
         limit = self.num_draft_tokens if max_tokens is None else max_tokens
         i = self._done.get(req_id, 0)
         toks = self._reference[i : i + max(0, limit)]

@@ -263,13 +263,10 @@ class SuffixDrafter:
         if self.policy == "adaptive" and self.cost is None:
             self.cost = VerifyCost.calibrate(model)
 
-    def draft(self, req_id: int, max_tokens: Optional[int] = None, base: int = 1) -> Draft:
-        """Draft up to ``max_tokens`` (default ``num_draft_tokens``) tokens
-        that follow the request's committed tokens.
-
-        With the adaptive policy and a cost curve, the draft is cut to the
-        length with the best expected tokens per second; ``base`` is how many
-        tokens the verifying forward feeds besides the draft."""
+    def propose(self, req_id: int, max_tokens: Optional[int] = None) -> Draft:
+        """The trees' draft of up to ``max_tokens`` (default
+        ``num_draft_tokens``) tokens after the request's committed tokens,
+        before any length policy."""
         limit = self.num_draft_tokens if max_tokens is None else max_tokens
         if limit <= 0:
             return Draft()
@@ -283,11 +280,27 @@ class SuffixDrafter:
                 max_spec_offset=self.max_spec_offset,
                 min_token_prob=self.min_token_prob,
             )
-        draft = Draft(list(d.token_ids[:limit]), list(d.probs[:limit]))
+        return Draft(list(d.token_ids[:limit]), list(d.probs[:limit]))
+
+    def draft(
+        self, req_id: int, max_tokens: Optional[int] = None, pipelined: bool = False
+    ) -> Draft:
+        """Draft up to ``max_tokens`` (default ``num_draft_tokens``) tokens
+        that follow the request's committed tokens, for one sequence.
+
+        With the adaptive policy and a cost curve, the draft is cut to the
+        length with the best expected tokens per second. ``pipelined``: the
+        target's token after the committed ones is being computed already and
+        will check the draft's first token, so only the tokens after it can
+        gain anything (a draft shorter than 2 is dropped, whatever the policy;
+        see :func:`~mlx_lm_suffix.policy.best_length`)."""
+        draft = self.propose(req_id, max_tokens)
         if self.policy == "adaptive" and self.cost is not None and draft.tokens:
             draft = draft.truncate(
-                best_length(draft.probs, self.cost, self.calibration.ratio, base)
+                best_length(draft.probs, self.cost, self.calibration.ratio, pipelined)
             )
+        if pipelined and len(draft) < 2:
+            return Draft()
         return draft
 
     def finish(self, req_id: int) -> None:

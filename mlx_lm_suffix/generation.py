@@ -215,7 +215,7 @@ def suffix_generate_step(
                     room = draft_room(prompt_cache, ctx_limit) - (nxt is None)
                     k = int(min(num_draft_tokens, limit - n - 1, room))
                 # Pipelined: the forward feeds only the draft (t is in the cache).
-                proposal = drafter.draft(req, k, base=int(nxt is None)) if k > 0 else None
+                proposal = drafter.draft(req, k, pipelined=nxt is not None) if k > 0 else None
                 draft = proposal.tokens if proposal else []
                 if not draft:
                     spec_mode = False

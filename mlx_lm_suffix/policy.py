@@ -118,17 +118,34 @@ def expected_accepted(probs: Sequence[float], length: int, ratio: float = 1.0) -
     return sum(min(1.0, ratio * p) for p in probs[:length])
 
 
+def given_first(probs: Sequence[float]) -> List[float]:
+    """Probabilities of the draft tokens after the first, given that the first
+    is right (the trees' estimates are cumulative)."""
+    if not probs or probs[0] <= 0:
+        return []
+    return [min(1.0, p / probs[0]) for p in probs[1:]]
+
+
 def best_length(
-    probs: Sequence[float], cost: VerifyCost, ratio: float = 1.0, base: int = 1
+    probs: Sequence[float], cost: VerifyCost, ratio: float = 1.0, pipelined: bool = False
 ) -> int:
     """Draft length maximising expected committed tokens per second for one
-    sequence; ``0`` when no draft beats a plain step. ``base`` is the number
-    of tokens a forward feeds besides the draft (the last committed token)."""
-    best, best_rate = 0, 1.0 / cost(base)
+    sequence; ``0`` when no draft beats a plain step.
+
+    Not pipelined, the verifying forward feeds the last committed token plus
+    the draft. Pipelined, the plain forward after the last committed token is
+    already running: it checks the draft's first token for free, and only a
+    draft whose first token it confirms is verified, feeding that token plus
+    the rest; so a draft is worth it when its tail is, given its first token.
+    """
+    if pipelined:
+        tail = best_length(given_first(probs), cost, ratio)
+        return tail + 1 if tail else 0
+    best, best_rate = 0, 1.0 / cost(1)
     gain = 1.0
     for i, p in enumerate(probs):
         gain += min(1.0, ratio * p)
-        rate = gain / cost(base + i + 1)
+        rate = gain / cost(i + 2)
         if rate > best_rate:
             best, best_rate = i + 1, rate
     return best
@@ -137,10 +154,11 @@ def best_length(
 def best_batch_lengths(
     probs: List[Sequence[float]], cost: VerifyCost, ratio: float = 1.0
 ) -> List[int]:
-    """Draft lengths for the rows of a batch. The longest row sets the
-    forward's shape (every row is padded to ``1 + K``), so one width ``K`` is
-    chosen for the batch to maximise expected committed tokens of all rows
-    per second; each row then drafts ``min(len(its draft), K)``."""
+    """Draft lengths for the rows of a batch whose forward feeds every row's
+    last committed token plus its draft. The longest row sets the forward's
+    shape (every row is padded to ``1 + K``), so one width ``K`` is chosen for
+    the batch to maximise expected committed tokens of all rows per second;
+    each row then drafts ``min(len(its draft), K)``."""
     B = len(probs)
     if B == 0:
         return []

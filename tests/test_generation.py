@@ -276,7 +276,7 @@ class _Bigram(nn.Module):
 
 
 class _FixedDrafter(SuffixDrafter):
-    def draft(self, req_id, max_tokens=None, base=1):
+    def draft(self, req_id, max_tokens=None, pipelined=False):
         return Draft([1, 2, 3][:max_tokens], [1.0] * 3)
 
 

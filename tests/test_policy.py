@@ -12,6 +12,7 @@ from mlx_lm_suffix.policy import (
     best_batch_lengths,
     best_length,
     expected_accepted,
+    given_first,
 )
 
 FLAT = VerifyCost({1: 1.0, 16: 1.1, 32: 1.6, 64: 3.0})  # GPU-like: cheap up to 16
@@ -63,6 +64,22 @@ def test_probability_scale_shortens_drafts():
     for _ in range(50):
         c.update(expected=10.0, accepted=2)
     assert c.ratio < 0.3
+
+
+def test_pipelined_drafts_pay_only_for_their_tail():
+    # The running plain forward checks the first token for free: a draft is
+    # worth it when its tail is, given a confirmed first token.
+    assert given_first([0.5, 0.45, 0.05]) == pytest.approx([0.9, 0.1])
+    assert given_first([]) == [] and given_first([0.0, 0.0]) == []
+    # A lone token gains nothing over the plain step already running.
+    assert best_length([1.0], FLAT, pipelined=True) == 0
+    assert best_length([1.0] * 16, FLAT, pipelined=True) == 16
+    # An unlikely first token with a sure tail is still worth checking...
+    assert best_length([0.2] * 8, MID, pipelined=True) == 8
+    # ...but a tail that falls apart after the first token is not.
+    assert best_length([0.9, 0.09, 0.009], MID, pipelined=True) == 0
+    tail = best_length(given_first(_cum(0.8, 16)), MID)
+    assert best_length(_cum(0.8, 16), MID, pipelined=True) == tail + 1
 
 
 def test_batch_width_accounts_for_longest_row():
