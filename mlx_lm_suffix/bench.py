@@ -6,14 +6,20 @@ Arms (in-process, ``mlx_lm.stream_generate``, concurrency 1):
 - ``suffix-cold``: a fresh :class:`SuffixDrafter` (empty global cache).
 - ``suffix-warm``: a fresh drafter that first replays the workload (untimed).
 - ``oracle``: an upper bound, :class:`OracleDrafter` drafts the exact
-  reference continuation through the same verification loop.
+  reference continuation through the same verification loop;
+  ``oracle@N`` does it with drafts of up to ``N`` tokens.
+- ``suffix-cold-fixed``, ``suffix-warm-fixed``: the suffix arms with
+  fixed-length drafting, to compare the policies in one run.
 
 With ``server=True`` the workload also goes through real ``mlx_lm.server``
 subprocesses on 127.0.0.1 at each requested concurrency: ``server-stock`` and
 ``server-stock-warm`` (a stock server, first and second pass over the
 workload), ``server-suffix-cold`` and ``server-suffix-warm`` (a fresh
-``--draft suffix`` server, first and second pass). Warm passes are compared
-with ``server-stock-warm``, whose prompt cache is equally warm.
+``--draft suffix`` server, first and second pass), and with
+``server_fixed=True`` also ``server-suffix-cold-fixed`` and
+``server-suffix-warm-fixed`` (the same with ``--suffix-policy fixed``). Warm
+passes are compared with ``server-stock-warm``, whose prompt cache is
+equally warm.
 
 Scripted-target mode (for random-weight models): the real forward runs at
 full cost and :class:`ScriptedProcessor` biases the logits so the greedy
@@ -63,6 +69,7 @@ INPROCESS_ARMS = (
 )
 DEFAULT_ARMS = ("stock", "suffix-cold", "suffix-warm", "oracle")
 SERVER_ARMS = ("server-stock", "server-stock-warm", "server-suffix-cold", "server-suffix-warm")
+SERVER_FIXED_ARMS = ("server-suffix-cold-fixed", "server-suffix-warm-fixed")
 STATS_PATH = "/v1/suffix/stats"
 USAGE_DRAFTED = "draft_tokens"
 USAGE_ACCEPTED = "accepted_draft_tokens"
@@ -408,6 +415,10 @@ def run_inprocess_arm(
         drafter = SuffixDrafter(**{**drafter_kwargs, "policy": "fixed"})
     elif arm == "oracle":
         drafter = OracleDrafter(**{**drafter_kwargs, "policy": "fixed"})
+    elif oracle_length(arm) is not None:
+        drafter = OracleDrafter(
+            **{**drafter_kwargs, "policy": "fixed", "num_draft_tokens": oracle_length(arm)}
+        )
     elif arm != "stock":
         raise ValueError(f"unknown in-process arm {arm!r}")
     if drafter is not None:
@@ -422,6 +433,17 @@ def run_inprocess_arm(
         samples.append(s)
         tick()
     return summarize(samples, peak_memory=_peak_memory())
+
+
+def oracle_length(arm: str) -> Optional[int]:
+    """``N`` of an ``oracle@N`` arm, else None."""
+    name, _, n = arm.partition("@")
+    return int(n) if name == "oracle" and n.isdigit() and int(n) > 0 else None
+
+
+def is_inprocess_arm(arm: str) -> bool:
+    """Whether ``arm`` names an in-process arm."""
+    return arm in INPROCESS_ARMS or oracle_length(arm) is not None
 
 
 def summarize(
@@ -641,6 +663,7 @@ def run_bench(
     arms: Sequence[str] = DEFAULT_ARMS,
     server: bool = False,
     concurrency: Sequence[int] = (1, 8),
+    server_fixed: bool = False,
     repetitions: int = 3,
     max_tokens: int = 256,
     max_requests: Optional[int] = None,
@@ -696,7 +719,7 @@ def run_bench(
             script = write_script(tmp / f"{name}.script.jsonl", requests) if scripted else None
             for c in concurrency:
                 for rep in range(repetitions):
-                    res = _server_rep(model_path, requests, max_tokens, c, scripted, script, eos_id, blas, rep, tick, log_dir, server_flags(drafter_kwargs))
+                    res = _server_rep(model_path, requests, max_tokens, c, scripted, script, eos_id, blas, rep, tick, log_dir, server_flags(drafter_kwargs), server_fixed)
                     per_rep[rep].update({f"{k}@c{c}": v for k, v in res.items()})
         all_arms = list(per_rep[0])
         for a in all_arms:
@@ -755,10 +778,11 @@ def _server_rep(
     tick: Callable[[], None],
     log_dir: Optional[Path],
     suffix_args: Sequence[str] = (),
+    fixed: bool = False,
 ) -> Dict[str, Dict[str, Any]]:
     """One repetition of the server arms: a stock server and a fresh suffix
-    server (cold, then warm; started with ``suffix_args``), in alternating
-    order."""
+    server (cold, then warm; started with ``suffix_args``), and with ``fixed``
+    a fresh ``--suffix-policy fixed`` server, in alternating order."""
     out: Dict[str, Dict[str, Any]] = {}
 
     def stock() -> None:
@@ -770,24 +794,28 @@ def _server_rep(
             # suffix server's in its warm pass, so they compare fairly.
             out["server-stock-warm"] = run_server_arm(url, requests, max_tokens, concurrency, scripted, tick)
 
-    def suffix() -> None:
-        log = log_dir / "server-suffix.log" if log_dir else None
-        with server_process(model_path, suffix=True, script=script, eos_id=eos_id, blas=blas, log=log, extra_args=suffix_args) as url:
+    def suffix(tag: str = "", args: Sequence[str] = suffix_args) -> None:
+        log = log_dir / f"server-suffix{tag}.log" if log_dir else None
+        with server_process(model_path, suffix=True, script=script, eos_id=eos_id, blas=blas, log=log, extra_args=args) as url:
             warm_up(url)
-            out["server-suffix-cold"] = run_server_arm(url, requests, max_tokens, concurrency, scripted, tick)
-            out["server-suffix-warm"] = run_server_arm(url, requests, max_tokens, concurrency, scripted, tick)
+            out[f"server-suffix-cold{tag}"] = run_server_arm(url, requests, max_tokens, concurrency, scripted, tick)
+            out[f"server-suffix-warm{tag}"] = run_server_arm(url, requests, max_tokens, concurrency, scripted, tick)
             stats = server_stats(url)
             if stats is not None:
-                out["server-suffix-warm"]["server_stats"] = stats
+                out[f"server-suffix-warm{tag}"]["server_stats"] = stats
 
-    for f in (stock, suffix) if rep % 2 == 0 else (suffix, stock):
+    runs = [stock, suffix]
+    if fixed:
+        runs.append(lambda: suffix("-fixed", [*suffix_args, "--suffix-policy", "fixed"]))
+    for f in runs if rep % 2 == 0 else reversed(runs):
         f()
     return out
 
 
-def total_ticks(n_requests: Dict[str, int], arms: Sequence[str], repetitions: int, server: bool, concurrency: Sequence[int]) -> int:
+def total_ticks(n_requests: Dict[str, int], arms: Sequence[str], repetitions: int, server: bool, concurrency: Sequence[int], server_fixed: bool = False) -> int:
     """Progress-bar length: requests timed over the whole run."""
-    per = len(arms) + (len(SERVER_ARMS) * len(concurrency) if server else 0)
+    n_server = len(SERVER_ARMS) + (len(SERVER_FIXED_ARMS) if server_fixed else 0)
+    per = len(arms) + (n_server * len(concurrency) if server else 0)
     return sum(n_requests.values()) * per * repetitions
 
 

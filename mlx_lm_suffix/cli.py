@@ -241,10 +241,17 @@ def parity_command(
     "--arms",
     default="stock,suffix-cold,suffix-warm,oracle",
     show_default=True,
-    help="In-process arms (comma-separated; stock is always included), or "
-    "'none' for the server arms alone.",
+    help="In-process arms (comma-separated; stock is always included): stock, "
+    "suffix-cold, suffix-warm, suffix-cold-fixed, suffix-warm-fixed, oracle, "
+    "oracle@N (drafts of up to N tokens); or 'none' for the server arms alone.",
 )
 @click.option("--server/--no-server", default=False, show_default=True, help="Also run the server arms.")
+@click.option(
+    "--server-fixed/--no-server-fixed",
+    default=False,
+    show_default=True,
+    help="With --server, also run a --suffix-policy fixed server.",
+)
 @click.option("--concurrency", default="1,8", show_default=True, callback=_list_of(int), help="Server concurrencies.")
 @click.option(
     "--scripted/--no-scripted",
@@ -273,6 +280,7 @@ def bench_command(
     repetitions: int,
     arms: str,
     server: bool,
+    server_fixed: bool,
     concurrency: List[int],
     scripted: Optional[bool],
     blas: str,
@@ -306,19 +314,20 @@ def bench_command(
         arm_list = []
     else:
         arm_list = ["stock"] + [a.strip() for a in arms.split(",") if a.strip() and a.strip() != "stock"]
-    bad = [a for a in arm_list if a not in b.INPROCESS_ARMS]
+    bad = [a for a in arm_list if not b.is_inprocess_arm(a)]
     if bad:
-        raise click.ClickException(f"unknown arms {bad}; choose from {b.INPROCESS_ARMS}")
+        raise click.ClickException(f"unknown arms {bad}; choose from {b.INPROCESS_ARMS} or oracle@N")
     from .workloads import read_workload
 
     counts = {k: len(read_workload(v)[:n_requests]) for k, v in files.items()}
-    total = b.total_ticks(counts, arm_list, repetitions, server, concurrency)
+    total = b.total_ticks(counts, arm_list, repetitions, server, concurrency, server_fixed)
     with click.progressbar(length=total, label="bench", file=sys.stderr) as bar:
         report = b.run_bench(
             model_path,
             files,
             arms=arm_list,
             server=server,
+            server_fixed=server_fixed,
             concurrency=concurrency,
             repetitions=repetitions,
             max_tokens=max_tokens,

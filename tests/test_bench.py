@@ -71,6 +71,10 @@ def test_oracle_accepts_all_drafts(loaded, requests):
     assert m["drafted"] > 0
     assert m["acceptance_rate"] >= 0.99
     assert m["tokens_per_step"] > 3
+    short = bench.run_inprocess_arm("oracle@2", model, tokenizer, requests["open-ended"], 40, True, eos)
+    assert short["acceptance_rate"] >= 0.99
+    assert 1 < short["tokens_per_step"] <= 3  # 2 draft tokens and the bonus
+    assert not bench.is_inprocess_arm("oracle@0") and not bench.is_inprocess_arm("oracle@x")
 
 
 def test_bench_command(tmp_path, tiny_model_path):
@@ -112,13 +116,15 @@ def test_bench_server_arms_and_demo(tmp_path, tiny_model_path, models_dir):
             "bench", "--model", str(tiny_model_path), "--scripted", "--blas", "reference",
             "--requests", "2", "--max-tokens", "16", "--repetitions", "1", "--arms", "stock",
             "--prompt-chars", "600", "--workloads", "agentic", "--server",
-            "--concurrency", "2", "--out", str(out),
+            "--concurrency", "2", "--server-fixed", "--out", str(out),
         ],
     )
     assert result.exit_code == 0, result.output + repr(result.exception)
     arms = json.loads((out / "bench.json").read_text())["workloads"]["agentic"]["arms"]
-    assert set(arms) == {"stock"} | {f"{a}@c2" for a in bench.SERVER_ARMS}
+    server_arms = bench.SERVER_ARMS + bench.SERVER_FIXED_ARMS
+    assert set(arms) == {"stock"} | {f"{a}@c2" for a in server_arms}
     assert arms["server-suffix-warm@c2"]["drafted"] > 0
+    assert arms["server-suffix-warm-fixed@c2"]["drafted"] > 0
     assert all(m["matched_reference"] for m in arms.values())
 
     result = CliRunner(env={"MLX_LM_SUFFIX_HOME": str(models_dir)}).invoke(
