@@ -304,19 +304,19 @@ class SuffixGenerationBatch(GenerationBatch):
                 room = min(room, self.max_context - offsets[i])
             k = min(k, room)
             drafts.append(self.drafter.propose(req, k) if req is not None and k > 1 else Draft())
-        if self._adaptive() and any(drafts):
+        return self._cut(drafts)
+
+    def _cut(self, drafts: List[Draft]) -> List[Draft]:
+        """With the adaptive policy, cut the drafts to the one batch width at
+        which their tails (given a confirmed first token) pay best; drop
+        drafts shorter than 2 tokens."""
+        cost = getattr(self.drafter, "cost", None)
+        if getattr(self.drafter, "policy", "fixed") == "adaptive" and cost is not None:
             tails = best_batch_lengths(
-                [given_first(d.probs) for d in drafts],
-                self.drafter.cost,
-                self.drafter.calibration.ratio,
+                [given_first(d.probs) for d in drafts], cost, self.drafter.calibration.ratio
             )
             drafts = [d.truncate(n + 1 if n else 0) for d, n in zip(drafts, tails)]
         return [d if len(d) > 1 else Draft() for d in drafts]
-
-    def _adaptive(self) -> bool:
-        return getattr(self.drafter, "policy", "fixed") == "adaptive" and (
-            getattr(self.drafter, "cost", None) is not None
-        )
 
     def next(self) -> List[GenerationBatch.Response]:
         if not self.uids:
@@ -335,25 +335,18 @@ class SuffixGenerationBatch(GenerationBatch):
             return responses
         # Wait for the queued forward: its tokens check each draft's first.
         nxt = self._next_tokens.tolist()
-        tails: List[List[int]] = []
         for i, (d, t) in enumerate(zip(drafts, nxt)):
             if d and d.tokens[0] != t:
                 self._record_miss(i, d)
-                d = Draft()
-            tails.append(d)
-        if self._adaptive() and any(tails):
-            widths = best_batch_lengths(
-                [given_first(d.probs) for d in tails],
-                self.drafter.cost,
-                self.drafter.calibration.ratio,
-            )
-            tails = [d.truncate(n + 1 if n else 0) for d, n in zip(tails, widths)]
-        if not any(tails):
+                drafts[i] = Draft()
+        # The width again, for the confirmed drafts alone.
+        drafts = self._cut(drafts)
+        if not any(drafts):
             return responses
         for req, t in zip(self._req, nxt):
             if req is not None:
                 self.drafter.commit(req, [t])
-        return responses + self._verify(nxt, [d.tokens[1:] for d in tails], tails)
+        return responses + self._verify(nxt, [d.tokens[1:] for d in drafts], drafts)
 
     def _record_miss(self, i: int, draft: Draft) -> None:
         """Count a draft whose first token the plain forward rejected."""
