@@ -725,7 +725,7 @@ def run_bench(
         for a in all_arms:
             merged = _merge([rep[a] for rep in per_rep if a in rep])
             base = "stock"
-            if "@" in a:  # warm passes compare with warm passes (server prompt cache)
+            if a.startswith("server-"):  # warm passes compare with warm passes (server prompt cache)
                 base = ("server-stock-warm@" if "-warm@" in a else "server-stock@") + a.split("@")[1]
             ratios = [
                 rep[a]["tokens_per_s"] / rep[base]["tokens_per_s"]

@@ -85,6 +85,7 @@ def test_bench_command(tmp_path, tiny_model_path):
             "bench", "--model", str(tiny_model_path), "--scripted", "--blas", "reference",
             "--requests", "2", "--max-tokens", "24", "--repetitions", "1",
             "--prompt-chars", "600", "--workloads", "code-edit,agentic", "--out", str(out),
+            "--arms", "stock,suffix-cold,suffix-warm,oracle,oracle@4",
         ],
     )
     assert result.exit_code == 0, result.output + repr(result.exception)
@@ -93,7 +94,7 @@ def test_bench_command(tmp_path, tiny_model_path):
     assert report["blas"] in ("openblas", "reference", "accelerate")
     assert set(report["workloads"]) == {"code-edit", "agentic"}
     for wl in report["workloads"].values():
-        assert list(wl["arms"]) == ["stock", "suffix-cold", "suffix-warm", "oracle"]
+        assert list(wl["arms"]) == ["stock", "suffix-cold", "suffix-warm", "oracle", "oracle@4"]
         for arm, m in wl["arms"].items():
             assert m["tokens"] > 0 and m["tokens_per_s"] > 0
             assert m["speedup_vs_stock"] > 0 and len(m["speedup_per_rep"]) == 1
