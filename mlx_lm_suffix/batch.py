@@ -52,7 +52,7 @@ from mlx_lm.models.cache import TokenBuffer, trim_prompt_cache
 
 from .drafting import Draft, SuffixDrafter
 from .generation import context_limit
-from .policy import best_batch_lengths, given_first
+from .policy import best_batch_lengths
 from .verification import accepted_length, can_rollback_batch, rollback_batch
 
 __all__ = [
@@ -312,10 +312,10 @@ class SuffixGenerationBatch(GenerationBatch):
         drafts shorter than 2 tokens."""
         cost = getattr(self.drafter, "cost", None)
         if getattr(self.drafter, "policy", "fixed") == "adaptive" and cost is not None:
-            tails = best_batch_lengths(
-                [given_first(d.probs) for d in drafts], cost, self.drafter.calibration.ratio
+            lengths = best_batch_lengths(
+                [d.probs for d in drafts], cost, self.drafter.calibration.ratio, pipelined=True
             )
-            drafts = [d.truncate(n + 1 if n else 0) for d, n in zip(drafts, tails)]
+            drafts = [d.truncate(n) for d, n in zip(drafts, lengths)]
         return [d if len(d) > 1 else Draft() for d in drafts]
 
     def next(self) -> List[GenerationBatch.Response]:
@@ -346,7 +346,7 @@ class SuffixGenerationBatch(GenerationBatch):
         for req, t in zip(self._req, nxt):
             if req is not None:
                 self.drafter.commit(req, [t])
-        return responses + self._verify(nxt, [d.tokens[1:] for d in drafts], drafts)
+        return responses + self._verify(nxt, drafts)
 
     def _record_miss(self, i: int, draft: Draft) -> None:
         """Count a draft whose first token the plain forward rejected."""
@@ -389,12 +389,13 @@ class SuffixGenerationBatch(GenerationBatch):
         return mx.stack([s(logprobs[i]) for i, s in enumerate(samplers)])
 
     def _verify(
-        self, pending: List[int], drafts: List[List[int]], checked: List[Draft]
+        self, pending: List[int], checked: List[Draft]
     ) -> List[GenerationBatch.Response]:
-        """Feed every row's pending token plus its draft (right-padded) in one
-        forward and emit what each row accepts. ``checked[i]``: row ``i``'s
-        whole draft when the plain forward confirmed its first token (the
-        pending token), else empty; ``drafts[i]`` is the rest of it."""
+        """Feed every row's pending token plus the rest of its draft
+        (right-padded) in one forward and emit what each row accepts.
+        ``checked[i]``: row ``i``'s whole draft when the plain forward
+        confirmed its first token (the pending token), else empty."""
+        drafts = [c.tokens[1:] for c in checked]
         B = len(self.uids)
         K = max(len(d) for d in drafts)
         inputs = mx.array(

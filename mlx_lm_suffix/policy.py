@@ -152,13 +152,18 @@ def best_length(
 
 
 def best_batch_lengths(
-    probs: List[Sequence[float]], cost: VerifyCost, ratio: float = 1.0
+    probs: List[Sequence[float]], cost: VerifyCost, ratio: float = 1.0, pipelined: bool = False
 ) -> List[int]:
     """Draft lengths for the rows of a batch whose forward feeds every row's
     last committed token plus its draft. The longest row sets the forward's
     shape (every row is padded to ``1 + K``), so one width ``K`` is chosen for
     the batch to maximise expected committed tokens of all rows per second;
-    each row then drafts ``min(len(its draft), K)``."""
+    each row then drafts ``min(len(its draft), K)``. ``pipelined``: as for
+    :func:`best_length`, each row's first token is checked for free and the
+    width is chosen for the tails, given their first tokens."""
+    if pipelined:
+        tails = best_batch_lengths([given_first(p) for p in probs], cost, ratio)
+        return [n + 1 if n else 0 for n in tails]
     B = len(probs)
     if B == 0:
         return []

@@ -93,6 +93,10 @@ def test_batch_width_accounts_for_longest_row():
     # Rows with drafts shorter than the chosen width keep their length.
     assert best_batch_lengths([[1.0] * 3, [1.0] * 10], free) == [3, 10]
     assert best_batch_lengths([], CPU) == []
+    # Pipelined: widths for the tails after a free first-token check; a
+    # lone token never pays.
+    assert best_batch_lengths([[1.0] * 16, [1.0]], free, pipelined=True) == [16, 0]
+    assert best_batch_lengths(rows, LINEAR, pipelined=True) == [0] * 8
 
 
 def test_drafter_applies_policy_and_records_stats():
