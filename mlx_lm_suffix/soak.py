@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .bench import free_port
+from .bench import free_port, stop_process
 
 __all__ = ["run_soak"]
 
@@ -112,15 +112,9 @@ class _Server:
             conn.close()
 
     def stop(self, timeout: float = 60) -> Optional[int]:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = stop_process(self.proc, timeout=timeout)
         self._log.close()
-        return self.proc.returncode
+        return code
 
 
 def _prompts(n: int, seed: int) -> List[str]:

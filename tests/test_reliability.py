@@ -7,12 +7,10 @@ Stock behaviour is compared with a stock server started without --draft.
 """
 
 import json
-import os
 import random
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -28,28 +26,6 @@ from test_server import Server, _messages, _model_id, _source_text  # noqa: E402
 FAULT_SERVER = Path(__file__).with_name("fault_server.py")
 SUFFIX = ("--draft", "suffix", "--suffix-policy", "fixed")
 CONTEXT = 256  # max_position_embeddings of the short-context model copy
-
-
-class LaunchedServer(Server):
-    """A :class:`Server` started by another launcher (and extra env)."""
-
-    def __init__(self, model, *args, log_dir, name, launcher, env=None):
-        self.port = 0
-        from test_server import _free_port
-
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(log_dir) / f"{name}-{self.port}.log"
-        self.suffix = "--draft" in args
-        self._log = open(self.log_path, "w")
-        full_env = dict(os.environ, MLX_LM_SUFFIX_SAVE_INTERVAL="0.2", **(env or {}))
-        self.proc = subprocess.Popen(
-            [*launcher, "--model", str(model), "--port", str(self.port), *map(str, args)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=full_env,
-        )
-        self.wait_ready()
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +290,7 @@ def test_exception_in_verification_forward(stock, short_model, logs):
     ref_text = ref["choices"][0]["message"]["content"]
     other_ref = _post_result(stock, other)
     marker = _marker(short_model, [text, other, "after"], ids)
-    server = LaunchedServer(
+    server = Server(
         short_model, *SUFFIX, log_dir=logs, name="fault",
         launcher=[sys.executable, str(FAULT_SERVER)],
         env={"FAULT_TOKEN": str(marker), "FAULT_MAX": "2"},

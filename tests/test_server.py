@@ -6,7 +6,6 @@ import concurrent.futures
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import mlx_lm  # noqa: F401  (first: mlx_lm_suffix.policy imports mlx_lm)
 import pytest
 from openai import OpenAI
 
+from mlx_lm_suffix.bench import free_port, stop_process
 from mlx_lm_suffix.drafting import SuffixDrafter, read_cache_file
 
 SERVER = str(Path(sys.executable).with_name("mlx_lm.server"))
@@ -28,27 +28,23 @@ MAX_TOKENS = 32
 SUFFIX_FIXED = ("--draft", "suffix", "--suffix-policy", "fixed")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
-    """``mlx_lm.server`` in a subprocess; its log goes to a file."""
+    """``mlx_lm.server`` (or another ``launcher`` taking its arguments) in a
+    subprocess, with extra ``env``; its log goes to a file."""
 
-    def __init__(self, model, *args, log_dir, name="server", wait=True):
-        self.port = _free_port()
+    def __init__(self, model, *args, log_dir, name="server", wait=True,
+                 launcher=(SERVER,), env=None):
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_dir) / f"{name}-{self.port}.log"
         self.suffix = "--draft" in args
         self._log = open(self.log_path, "w")
-        env = dict(os.environ, MLX_LM_SUFFIX_SAVE_INTERVAL="0.2")
+        full_env = dict(os.environ, MLX_LM_SUFFIX_SAVE_INTERVAL="0.2", **(env or {}))
         self.proc = subprocess.Popen(
-            [SERVER, "--model", str(model), "--port", str(self.port), *map(str, args)],
+            [*launcher, "--model", str(model), "--port", str(self.port), *map(str, args)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=env,
+            env=full_env,
         )
         if wait:
             self.wait_ready()
@@ -104,15 +100,9 @@ class Server:
             time.sleep(0.05)
 
     def stop(self, sig=signal.SIGTERM, timeout=60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = stop_process(self.proc, sig, timeout)
         self._log.close()
-        return self.proc.returncode
+        return code
 
 
 @pytest.fixture(scope="module")
