@@ -188,6 +188,7 @@ def suffix_generate_step(
             mx.async_eval(*pending)
             pending_is_plain = True
             spec_mode = False
+            plain_tic = None  # when a plain step that nothing overlaps started
             n = 0
             while True:
                 tok, logprobs = pending
@@ -197,6 +198,11 @@ def suffix_generate_step(
                     nxt = forward(tok)
                     mx.async_eval(*nxt)
                 t = tok.item()
+                if plain_tic is not None and drafter.cost is not None:
+                    # Timed as verification steps are, so cost(1) stays
+                    # comparable with the points those refine.
+                    drafter.cost.observe(1, time.perf_counter() - plain_tic)
+                plain_tic = None
                 if n == 0:
                     progress(total, total)
                 if pending_is_plain:
@@ -220,6 +226,7 @@ def suffix_generate_step(
                 if not draft:
                     spec_mode = False
                     if nxt is None:
+                        plain_tic = time.perf_counter()
                         nxt = forward(tok)
                         mx.async_eval(*nxt)
                         last_in_cache = True

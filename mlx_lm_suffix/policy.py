@@ -26,7 +26,9 @@ CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 class VerifyCost:
     """Seconds for one target forward over ``n`` tokens (all rows of a batch
-    together), interpolated linearly between measured points."""
+    together), interpolated linearly between measured points. ``smoothing``
+    is the weight :meth:`observe` gives a real step (0: the points stay as
+    given)."""
 
     def __init__(self, points: Dict[int, float], smoothing: float = 0.1):
         if not points or 1 not in points:
@@ -34,6 +36,18 @@ class VerifyCost:
         self.points = {int(k): float(v) for k, v in points.items()}
         self.smoothing = smoothing
         self._sizes = sorted(self.points)
+        self._envelope()
+
+    def _envelope(self) -> None:
+        """Keep the curve physical: a forward over more tokens never costs
+        less, nor more than proportionally more (``n`` one-token forwards
+        would do). Timing noise only ever adds time, so each point is lowered
+        to the bound its neighbours give."""
+        pts, sizes = self.points, self._sizes
+        for lo, hi in zip(sizes, sizes[1:]):
+            pts[hi] = min(pts[hi], pts[lo] * hi / lo)
+        for lo, hi in zip(reversed(sizes[:-1]), reversed(sizes[1:])):
+            pts[lo] = min(pts[lo], pts[hi])
 
     def __call__(self, n: int) -> float:
         sizes, pts = self._sizes, self.points
@@ -55,6 +69,7 @@ class VerifyCost:
             return
         scaled = seconds * self.points[near] / max(self(n), 1e-12)
         self.points[near] += self.smoothing * (scaled - self.points[near])
+        self._envelope()
 
     def relative(self) -> Dict[int, float]:
         """Costs relative to a one-token forward (for stats and reports)."""
@@ -67,9 +82,12 @@ class VerifyCost:
         sizes: Sequence[int] = CALIBRATION_SIZES,
         context: int = 128,
         repeats: int = 2,
+        min_seconds: float = 0.05,
     ) -> "VerifyCost":
         """Time forwards of ``sizes`` tokens after a ``context``-token prefix
-        on a scratch cache (the best of ``repeats`` runs each)."""
+        on a scratch cache: the best of at least ``repeats`` runs each, more
+        (up to 20) while a size has taken less than ``min_seconds``, so the
+        cheap forwards, the noisiest, get the most runs."""
         # Imported here: mlx_lm's import runs our patches, which import this.
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -80,12 +98,16 @@ class VerifyCost:
         model(tokens[None, :context], cache=cache)
         mx.eval([c.state for c in cache])
         for n in sizes:
-            best = float("inf")
-            for _ in range(repeats + 1):  # the first run warms up the kernels
+            best, spent, runs = float("inf"), 0.0, 0
+            # The first run warms up the kernels.
+            while runs <= repeats or (spent < min_seconds and runs <= 20):
                 tic = time.perf_counter()
                 out = model(tokens[None, context : context + n], cache=cache)
                 mx.eval(out)
-                best = min(best, time.perf_counter() - tic)
+                took = time.perf_counter() - tic
+                if runs:
+                    best, spent = min(best, took), spent + took
+                runs += 1
                 for c in cache:
                     c.trim(n)
             points[n] = best

@@ -19,11 +19,16 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 import mlx_lm_suffix
 from mlx_lm_suffix import SuffixDrafter, suffix_generate_step
 from mlx_lm_suffix.drafting import Draft
+from mlx_lm_suffix.policy import VerifyCost
 
 
 def _prompts(tokenizer, n=20):
     """Prompts from real text on any machine (this stdlib's sources), half of
-    them highly repetitive so most tokens get drafted."""
+    them highly repetitive so most tokens get drafted.
+
+    Tests that count drafts or need drafts verified use fixed-length drafting:
+    the adaptive policy's lengths depend on timings measured on this (shared)
+    machine, outputs never do."""
     text = Path(inspect.getsourcefile(inspect)).read_text()
     prompts = []
     for i in range(n):
@@ -53,7 +58,7 @@ def model_and_tokenizer(request, tiny_model_path, tiny_llama_path):
 
 def test_greedy_equals_stock_on_20_prompts(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
-    drafter = SuffixDrafter(num_draft_tokens=12)
+    drafter = SuffixDrafter(num_draft_tokens=12, policy="fixed")
     drafted = total = 0
     for prompt in _prompts(tokenizer):
         ref = _stock(model, prompt, max_tokens=48)
@@ -68,11 +73,29 @@ def test_greedy_equals_stock_on_20_prompts(model_and_tokenizer):
     assert stats["active_requests"] == 0 and stats["cached_requests"] == 20
 
 
+def test_adaptive_policy_output_is_stock(model_and_tokenizer):
+    """The default policy: the cost curve measured here (whatever it says),
+    then known curves: cheap verification drafts long, verification that
+    costs a full step per token drafts nothing uncertain; outputs never move."""
+    model, tokenizer = model_and_tokenizer
+    prompts = _prompts(tokenizer, 6)
+    refs = [_stock(model, p, max_tokens=40) for p in prompts]
+    measured = SuffixDrafter()
+    cheap = SuffixDrafter(cost=VerifyCost({1: 1.0, 64: 1.05}, smoothing=0))
+    dear = SuffixDrafter(cost=VerifyCost({1: 1.0, 2: 2.0}, smoothing=0))
+    for drafter in (measured, cheap, dear):
+        for _ in range(2):  # the repeat drafts from the first responses
+            assert [_suffix(model, p, drafter, max_tokens=40)[0] for p in prompts] == refs
+    assert measured.cost is not None and measured.cost.points[1] > 0
+    per_step = [d.stats.drafted / max(d.stats.draft_steps, 1) for d in (cheap, dear)]
+    assert cheap.stats.accepted > 50 and per_step[0] > 2 * per_step[1]
+
+
 def test_stream_generate_accepts_drafter_and_suffix(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     prompt = _prompts(tokenizer, 2)[1]
     stock = list(stream_generate(model, tokenizer, prompt, max_tokens=40))
-    drafter = SuffixDrafter()
+    drafter = SuffixDrafter(policy="fixed")
     ours = list(stream_generate(model, tokenizer, prompt, max_tokens=40, draft_model=drafter))
     assert [r.token for r in ours] == [r.token for r in stock]
     # The repeat drafts from the first response.
@@ -125,7 +148,7 @@ def test_exact_max_tokens_and_caps(model_and_tokenizer):
             calls.append((cache[0].offset, inputs.shape[1]))
             return self.inner(inputs, cache=cache, **kw)
 
-    drafter = SuffixDrafter(num_draft_tokens=16)
+    drafter = SuffixDrafter(num_draft_tokens=16, policy="fixed")
     for max_tokens in (1, 2, 7, 33):
         out, _ = _suffix(model, prompt, drafter, max_tokens=max_tokens)
         assert len(out) == max_tokens
@@ -165,7 +188,7 @@ def test_context_limit_from_max_position_embeddings(model_and_tokenizer):
             return orig_call(self, inputs, cache=cache, **kw)
 
         type(model).__call__ = spy
-        out, _ = _suffix(model, prompt, SuffixDrafter(), max_tokens=30)
+        out, _ = _suffix(model, prompt, SuffixDrafter(policy="fixed"), max_tokens=30)
     finally:
         type(model).__call__ = orig_call
         model.args.max_position_embeddings = old
@@ -197,7 +220,7 @@ def test_eos_and_stop_as_stock(model_and_tokenizer):
 def test_lifecycle_close_exception_and_repeat(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     prompt = _prompts(tokenizer, 2)[1]
-    drafter = SuffixDrafter()
+    drafter = SuffixDrafter(policy="fixed")
 
     gen = suffix_generate_step(mx.array(prompt), model, drafter, max_tokens=50)
     for _ in range(5):
@@ -238,7 +261,8 @@ def test_cache_holds_exactly_prompt_plus_yielded_tokens(model_and_tokenizer):
     for stop_after in (3, 17, 40):
         cache = [KVCache() for _ in model.layers]
         gen = suffix_generate_step(
-            mx.array(prompt), model, SuffixDrafter(), max_tokens=40, prompt_cache=cache
+            mx.array(prompt), model, SuffixDrafter(policy="fixed"), max_tokens=40,
+            prompt_cache=cache,
         )
         toks = [t for t, _, _ in (next(gen) for _ in range(stop_after))]
         gen.close()
@@ -256,7 +280,8 @@ def test_logits_processors_greedy_as_stock(model_and_tokenizer):
     procs = make_logits_processors(repetition_penalty=1.3, repetition_context_size=30)
     for prompt in _prompts(tokenizer, 6)[1::2]:
         ref = _stock(model, prompt, max_tokens=40, logits_processors=procs)
-        out, _ = _suffix(model, prompt, SuffixDrafter(), max_tokens=40, logits_processors=procs)
+        drafter = SuffixDrafter(policy="fixed")
+        out, _ = _suffix(model, prompt, drafter, max_tokens=40, logits_processors=procs)
         assert out == ref
 
 

@@ -29,6 +29,18 @@ def test_cost_interpolation_and_extrapolation():
         VerifyCost({4: 1.0})
 
 
+def test_cost_curve_stays_physical_under_noise():
+    # Noise only adds time: a point above a larger size's, or above
+    # proportional growth from a smaller size's, comes down to that bound.
+    noisy = VerifyCost({1: 2.0, 2: 1.0, 4: 10.0, 8: 3.0})
+    assert noisy.points == {1: 1.0, 2: 1.0, 4: 2.0, 8: 3.0}
+    # Online refinement keeps it so: a slow step at 2 cannot make 2 tokens
+    # cost more than 4, nor more than two one-token steps.
+    noisy.observe(2, 50.0)
+    assert noisy.points[2] <= min(noisy.points[4], 2 * noisy.points[1])
+    assert CPU.points == {1: 118, 2: 119, 4: 146, 8: 158, 16: 194, 32: 281}
+
+
 def _cum(p, n):
     """Cumulative estimates, as arctic-inference returns them."""
     return [p ** (i + 1) for i in range(n)]
