@@ -61,12 +61,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def local_server(model: str, timeout: float = 300.0) -> Iterator[str]:
+def local_server(model: str, policy: str = "adaptive", timeout: float = 300.0) -> Iterator[str]:
     """Start ``mlx_lm.server --draft suffix``, yield its base URL, stop it."""
     port = free_port()
     log = tempfile.TemporaryFile(mode="w+")
     cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--draft", "suffix",
-           "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+           "--suffix-policy", policy, "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + timeout
@@ -137,6 +137,12 @@ def main() -> None:
     parser.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8080/v1")
     parser.add_argument("--max-tokens", type=int, default=100)
     parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument(
+        "--suffix-policy",
+        choices=["adaptive", "fixed"],
+        default="adaptive",
+        help="draft-length policy of the server this script starts",
+    )
     args = parser.parse_args()
 
     if args.base_url:
@@ -146,7 +152,7 @@ def main() -> None:
         from mlx_lm_suffix.tiny_model import ensure_model
 
         args.model = str(ensure_model("qwen3", "small"))
-    with local_server(args.model) as base_url:
+    with local_server(args.model, args.suffix_policy) as base_url:
         run_agent(OpenAI(base_url=base_url, api_key="none"), args.turns, args.max_tokens)
 
 

@@ -54,6 +54,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=100)
     parser.add_argument("--turns", type=int, default=len(QUESTIONS))
     parser.add_argument("--num-draft-tokens", type=int, default=8)
+    parser.add_argument("--suffix-policy", choices=["adaptive", "fixed"], default="adaptive")
     args = parser.parse_args()
 
     model, tokenizer = mlx_lm.load(args.model or str(ensure_model("qwen3", "small")))
@@ -65,7 +66,7 @@ def main() -> int:
         model.set_dtype(mx.float32)
 
     # One drafter for the whole session: its cache of earlier answers grows.
-    drafter = SuffixDrafter(num_draft_tokens=args.num_draft_tokens)
+    drafter = SuffixDrafter(num_draft_tokens=args.num_draft_tokens, policy=args.suffix_policy)
     messages: list[dict[str, str]] = [
         {"role": "system", "content": "You are a concise Python assistant."}
     ]

@@ -230,11 +230,12 @@ class SuffixGenerationBatch(GenerationBatch):
         drafted: Sequence[int],
         accepted: Sequence[int],
         emitted: Optional[Sequence[int]] = None,
-        expected: Optional[Sequence[float]] = None,
+        drafts: Optional[Sequence[Draft]] = None,
     ) -> None:
         """Count one step of every drafting row: its draft length, how many
         draft tokens verification accepted (``emitted``: how many of those
-        the row emitted before finishing) and the trees' probability sum."""
+        the row emitted before finishing) and the verified ``drafts`` (their
+        probability estimates and match lengths calibrate the policy)."""
         emitted = accepted if emitted is None else emitted
         plain = 0
         for i, req in enumerate(self._req):
@@ -250,7 +251,8 @@ class SuffixGenerationBatch(GenerationBatch):
                     drafted=drafted[i],
                     accepted=accepted[i],
                     steps=1,
-                    expected=expected[i] if expected is not None else 0.0,
+                    expected=float(sum(drafts[i].probs)) if drafts else 0.0,
+                    match_len=drafts[i].match_len if drafts else 0,
                 )
             else:
                 plain += 1
@@ -312,8 +314,9 @@ class SuffixGenerationBatch(GenerationBatch):
         drafts shorter than 2 tokens."""
         cost = getattr(self.drafter, "cost", None)
         if getattr(self.drafter, "policy", "fixed") == "adaptive" and cost is not None:
+            scale = self.drafter.calibration.scale
             lengths = best_batch_lengths(
-                [d.probs for d in drafts], cost, self.drafter.calibration.ratio, pipelined=True
+                [scale(d.probs, d.match_len) for d in drafts], cost, pipelined=True
             )
             drafts = [d.truncate(n) for d, n in zip(drafts, lengths)]
         return [d if len(d) > 1 else Draft() for d in drafts]
@@ -353,7 +356,9 @@ class SuffixGenerationBatch(GenerationBatch):
         usage = self._usage[i]
         if usage is not None:
             usage.drafted += 1
-        self.drafter.record(drafted=1, accepted=0, steps=0, expected=draft.probs[0])
+        self.drafter.record(
+            drafted=1, accepted=0, steps=0, expected=draft.probs[0], match_len=draft.match_len
+        )
 
     def _process_logits(
         self, logits: mx.array, pending: List[int], drafts: List[List[int]]
@@ -482,7 +487,7 @@ class SuffixGenerationBatch(GenerationBatch):
             [len(c) for c in checked],
             [a + 1 if c else 0 for a, c in zip(accepted, checked)],
             [u + 1 if c else 0 for u, c in zip(used, checked)],
-            [float(sum(c.probs)) for c in checked],
+            checked,
         )
         if len(keep) < B:
             self.filter(keep)

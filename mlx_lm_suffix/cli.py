@@ -17,6 +17,7 @@ import click
 
 from .drafting import (
     DEFAULT_MAX_CACHED_REQUESTS,
+    DEFAULT_MAX_SPEC_FACTOR,
     DEFAULT_MAX_SPEC_OFFSET,
     DEFAULT_NUM_DRAFT_TOKENS,
 )
@@ -262,6 +263,13 @@ def parity_command(
 @click.option("--blas", type=click.Choice(["auto", "openblas", "reference"]), default="auto", show_default=True)
 @click.option("--num-draft-tokens", default=DEFAULT_NUM_DRAFT_TOKENS, show_default=True, type=int)
 @click.option(
+    "--max-spec-factor",
+    default=DEFAULT_MAX_SPEC_FACTOR,
+    show_default=True,
+    type=float,
+    help="The suffix arms' drafts are at most match length * this tokens.",
+)
+@click.option(
     "--suffix-policy",
     type=click.Choice(["adaptive", "fixed"]),
     default="adaptive",
@@ -285,6 +293,7 @@ def bench_command(
     scripted: Optional[bool],
     blas: str,
     num_draft_tokens: int,
+    max_spec_factor: float,
     suffix_policy: str,
     out_dir: str,
 ) -> None:
@@ -334,7 +343,11 @@ def bench_command(
             max_requests=n_requests,
             scripted=scripted,
             blas=blas,
-            drafter_kwargs={"num_draft_tokens": num_draft_tokens, "policy": suffix_policy},
+            drafter_kwargs={
+                "num_draft_tokens": num_draft_tokens,
+                "max_spec_factor": max_spec_factor,
+                "policy": suffix_policy,
+            },
             progress=bar.update,
             log_dir=out,
         )

@@ -23,11 +23,11 @@ from arctic_inference.suffix_decoding import SuffixDecodingCache
 
 from .policy import Calibration, VerifyCost, best_length, histogram
 
-DEFAULT_NUM_DRAFT_TOKENS = 16
+DEFAULT_NUM_DRAFT_TOKENS = 32
 DEFAULT_MAX_TREE_DEPTH = 64
 DEFAULT_MAX_CACHED_REQUESTS = 10_000
 DEFAULT_MAX_CACHED_TOKENS = 4_000_000
-DEFAULT_MAX_SPEC_FACTOR = 1.0
+DEFAULT_MAX_SPEC_FACTOR = 2.0
 DEFAULT_MAX_SPEC_OFFSET = 0.0
 DEFAULT_MIN_TOKEN_PROB = 0.1
 POLICIES = ("adaptive", "fixed")
@@ -41,16 +41,18 @@ PROMPT_TAIL_TOKENS = 16
 
 @dataclass
 class Draft:
-    """Draft tokens and the suffix tree's probability estimate for each."""
+    """Draft tokens, the suffix tree's probability estimate for each, and
+    how many context tokens the tree path it came from matched."""
 
     tokens: List[int] = field(default_factory=list)
     probs: List[float] = field(default_factory=list)
+    match_len: int = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def truncate(self, n: int) -> "Draft":
-        return Draft(self.tokens[:n], self.probs[:n])
+        return Draft(self.tokens[:n], self.probs[:n], self.match_len)
 
 
 @dataclass
@@ -206,7 +208,7 @@ class SuffixDrafter:
         with self._lock:
             d = self.stats.as_dict()
             d.update(
-                probability_scale=self.calibration.ratio,
+                probability_scale=self.calibration.ratios(),
                 verify_cost=self.cost.relative() if self.cost is not None else None,
                 active_requests=self.active_requests,
                 cached_requests=self.cached_requests,
@@ -280,7 +282,7 @@ class SuffixDrafter:
                 max_spec_offset=self.max_spec_offset,
                 min_token_prob=self.min_token_prob,
             )
-        return Draft(list(d.token_ids[:limit]), list(d.probs[:limit]))
+        return Draft(list(d.token_ids[:limit]), list(d.probs[:limit]), int(d.match_len))
 
     def draft(
         self, req_id: int, max_tokens: Optional[int] = None, pipelined: bool = False
@@ -296,9 +298,8 @@ class SuffixDrafter:
         see :func:`~mlx_lm_suffix.policy.best_length`)."""
         draft = self.propose(req_id, max_tokens)
         if self.policy == "adaptive" and self.cost is not None and draft.tokens:
-            draft = draft.truncate(
-                best_length(draft.probs, self.cost, self.calibration.ratio, pipelined)
-            )
+            probs = self.calibration.scale(draft.probs, draft.match_len)
+            draft = draft.truncate(best_length(probs, self.cost, pipelined=pipelined))
         if pipelined and len(draft) < 2:
             return Draft()
         return draft
@@ -315,11 +316,17 @@ class SuffixDrafter:
             self._keep_response(req_id, req.scope, self._responses.pop(req_id))
 
     def record(
-        self, drafted: int = 0, accepted: int = 0, steps: int = 1, expected: float = 0.0
+        self,
+        drafted: int = 0,
+        accepted: int = 0,
+        steps: int = 1,
+        expected: float = 0.0,
+        match_len: int = 0,
     ) -> None:
         """Count target forwards and the draft tokens they verified/accepted;
-        ``expected`` is the sum of the verified tokens' probability estimates.
-        (Committed tokens are counted by :meth:`commit`.)"""
+        ``expected`` is the sum of the verified tokens' probability estimates
+        and ``match_len`` the draft's (see :class:`Draft`). (Committed tokens
+        are counted by :meth:`commit`.)"""
         with self._lock:
             self.stats.steps += steps
             self.stats.drafted += drafted
@@ -328,7 +335,7 @@ class SuffixDrafter:
                 self.stats.draft_steps += 1
                 self.stats.expected += expected
                 self.stats.lengths[drafted] = self.stats.lengths.get(drafted, 0) + 1
-                self.calibration.update(expected, accepted)
+                self.calibration.update(expected, accepted, match_len)
 
     def _keep_response(self, req_id: int, scope: Hashable, response: List[int]) -> None:
         if req_id in self._caches[scope].cached_requests:

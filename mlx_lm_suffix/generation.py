@@ -165,6 +165,7 @@ def suffix_generate_step(
         prompt.tolist() if draft_prompt is None else draft_prompt, scope=draft_scope
     )
     last_in_cache = True
+    unyielded = 0
     failed = False
     with mx.stream(stream):
         try:
@@ -243,8 +244,15 @@ def suffix_generate_step(
                     extend_history(tok)
                     first, first_lp = nxt
                     if first.item() != draft[0]:
-                        drafter.record(drafted=1, accepted=0, expected=proposal.probs[0])
+                        # A plain step after all: the next one is pipelined.
+                        drafter.record(
+                            drafted=1,
+                            accepted=0,
+                            expected=proposal.probs[0],
+                            match_len=proposal.match_len,
+                        )
                         pending, pending_is_plain = nxt, False
+                        spec_mode = False
                         continue
                     inputs = mx.array(draft, mx.uint32)
                     tic = time.perf_counter()
@@ -263,20 +271,30 @@ def suffix_generate_step(
                 rollback(prompt_cache, k - a)
                 kept = inputs.size - (k - a)
                 extend_history(inputs[:kept])
-                drafter.record(drafted=k, accepted=a, expected=sum(proposal.probs))
+                drafter.record(
+                    drafted=k,
+                    accepted=a,
+                    expected=sum(proposal.probs),
+                    match_len=proposal.match_len,
+                )
                 last_in_cache = True
                 for i in range(a):
                     drafter.commit(req, [draft[i]])
                     n += 1
+                    unyielded = a - 1 - i  # accepted tokens in the cache after it
                     yield draft[i], all_lp[i], True
+                unyielded = 0
                 pending = (mx.array([targets[a]], mx.uint32), all_lp[a : a + 1])
                 pending_is_plain = False
         except Exception:
             failed = True
             raise
         finally:
-            if not last_in_cache and not failed:
-                # Leave every yielded token in the cache, as generate_step does.
+            # Leave exactly the yielded tokens in the cache, as generate_step
+            # does, also when the caller stops in the middle of a draft.
+            if unyielded and not failed:
+                rollback(prompt_cache, unyielded)
+            elif not last_in_cache and not failed:
                 forward(pending[0])
                 mx.eval([c.state for c in prompt_cache])
             drafter.finish(req)

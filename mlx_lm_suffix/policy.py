@@ -7,7 +7,7 @@ number of committed tokens per unit of time, from
 - the suffix tree's per-token probability estimates (arctic-inference returns
   cumulative probabilities: ``probs[i]`` estimates that the first ``i + 1``
   draft tokens are all right), corrected online by the acceptance actually
-  seen, and
+  seen at the same match length (:class:`Calibration`), and
 - :class:`VerifyCost`, the time of one target forward by the number of tokens
   it feeds, measured for the loaded model at first use and refined online.
 """
@@ -115,24 +115,56 @@ class VerifyCost:
 
 
 class Calibration:
-    """Running ratio of accepted to expected draft tokens, which scales the
-    suffix tree's probability estimates (they are frequencies in the trees,
-    often overconfident: one earlier occurrence gives probability 1)."""
+    """How far to trust the suffix trees' probability estimates, learnt
+    online per match length (how many context tokens the draft's tree path
+    matched).
 
-    def __init__(self, prior_expected: float = 20.0, prior_ratio: float = 0.8):
-        self.expected = prior_expected
-        self.accepted = prior_expected * prior_ratio
+    The estimates are frequencies in the trees, and the request's own
+    occurrence of the matched text counts too, so a continuation seen once
+    before gets about 0.5 however certain it is (repeats are accepted far
+    more often than that), while a draft from a match of one or two tokens
+    gets a high estimate that open-ended text seldom bears out. Each match
+    length bucket keeps the ratio of accepted to expected draft tokens (from
+    a prior of ``prior_ratio``, worth ``prior_expected`` tokens, forgetting
+    slowly) and scales the estimates by it, at most ``max_ratio`` times."""
 
-    @property
-    def ratio(self) -> float:
-        return min(1.0, self.accepted / self.expected)
+    #: Upper bounds of the match length buckets (the last is open).
+    BUCKETS = (2, 4, 8, 16)
 
-    def update(self, expected: float, accepted: int) -> None:
-        self.expected += expected
-        self.accepted += accepted
-        if self.expected > 2000:  # keep adapting: forget old steps
-            self.expected *= 0.5
-            self.accepted *= 0.5
+    def __init__(
+        self, prior_expected: float = 10.0, prior_ratio: float = 1.0, max_ratio: float = 2.5
+    ):
+        self.max_ratio = max_ratio
+        n = len(self.BUCKETS) + 1
+        self.expected = [prior_expected] * n
+        self.accepted = [prior_expected * prior_ratio] * n
+
+    @classmethod
+    def bucket(cls, match_len: int) -> int:
+        return bisect.bisect_left(cls.BUCKETS, match_len)
+
+    def ratio(self, match_len: int) -> float:
+        b = self.bucket(match_len)
+        return min(self.max_ratio, self.accepted[b] / self.expected[b])
+
+    def scale(self, probs: Sequence[float], match_len: int) -> List[float]:
+        """The estimates as probabilities for the policy (at most 1)."""
+        r = self.ratio(match_len)
+        return [min(1.0, r * p) for p in probs]
+
+    def update(self, expected: float, accepted: int, match_len: int) -> None:
+        b = self.bucket(match_len)
+        self.expected[b] += expected
+        self.accepted[b] += accepted
+        if self.expected[b] > 500:  # keep adapting: forget old steps
+            self.expected[b] *= 0.5
+            self.accepted[b] *= 0.5
+
+    def ratios(self) -> Dict[str, float]:
+        """Each bucket's scale, keyed by its match lengths (for stats)."""
+        lows = (1,) + tuple(b + 1 for b in self.BUCKETS)
+        names = [f"{lo}-{hi}" for lo, hi in zip(lows, self.BUCKETS)] + [f"{lows[-1]}+"]
+        return {name: self.ratio(lo) for name, lo in zip(names, lows)}
 
 
 def expected_accepted(probs: Sequence[float], length: int, ratio: float = 1.0) -> float:

@@ -54,7 +54,7 @@ from typing import (
     Union,
 )
 
-from .drafting import SuffixDrafter
+from .drafting import Draft, SuffixDrafter
 from .verification import accepted_length
 
 #: Knobs a grid may vary, in table order. Missing ones take SuffixDrafter's defaults.
@@ -238,13 +238,15 @@ def replay(
         # The first token comes from the prompt's forward, without a draft.
         k = min(drafter.num_draft_tokens, n - pos - 1) if pos else 0
         t0 = time.perf_counter()
-        draft = drafter.draft(req, k).tokens if k > 0 else []
+        draft = drafter.draft(req, k) if k > 0 else Draft()
         seconds += time.perf_counter() - t0
-        a = accepted_length(draft, response[pos : pos + len(draft) + 1])
+        a = accepted_length(draft.tokens, response[pos : pos + len(draft) + 1])
         t0 = time.perf_counter()
         drafter.commit(req, response[pos : pos + a + 1])
         seconds += time.perf_counter() - t0
-        drafter.record(drafted=len(draft), accepted=a)
+        drafter.record(
+            drafted=len(draft), accepted=a, expected=sum(draft.probs), match_len=draft.match_len
+        )
         total_cost += cost(len(draft))
         pos += a + 1
     drafter.finish(req)

@@ -11,6 +11,7 @@ from mlx_lm import load
 from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
+from test_generation import WrongFirstToken
 
 from mlx_lm_suffix.batch import RequestUsage, RowOptions, SuffixBatchGenerator
 from mlx_lm_suffix.drafting import SuffixDrafter
@@ -251,22 +252,12 @@ def test_no_drafts_takes_the_stock_path(model_and_tokenizer, prompts):
     assert drafter.stats.drafted == 0 and drafter.cached_requests == len(prompts)
 
 
-class _WrongFirstToken(SuffixDrafter):
-    """Drafts the suffix trees' continuation with a wrong first token."""
-
-    def propose(self, req_id, max_tokens=None):
-        d = super().propose(req_id, max_tokens)
-        if d.tokens:
-            d.tokens[0] += 1
-        return d
-
-
 def test_first_token_miss_costs_no_verification(model_and_tokenizer, prompts):
     """The queued plain forward checks each draft's first token: drafts it
     rejects are dropped without a verification forward."""
     model, tokenizer = model_and_tokenizer
     ref, _ = _stock_run(model, tokenizer, prompts, [MAX_TOKENS] * len(prompts))
-    drafter = _WrongFirstToken(policy="fixed")
+    drafter = WrongFirstToken(policy="fixed")
     for _ in range(2):  # the second round has every response cached
         gen = _suffix_gen(model, tokenizer, drafter)
         tokens, _ = _run(gen, prompts, [MAX_TOKENS] * len(prompts))

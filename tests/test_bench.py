@@ -86,11 +86,14 @@ def test_bench_command(tmp_path, tiny_model_path):
             "--requests", "2", "--max-tokens", "24", "--repetitions", "1",
             "--prompt-chars", "600", "--workloads", "code-edit,agentic", "--out", str(out),
             "--arms", "stock,suffix-cold,suffix-warm,oracle,oracle@4",
+            "--num-draft-tokens", "8", "--max-spec-factor", "2",
         ],
     )
     assert result.exit_code == 0, result.output + repr(result.exception)
     report = json.loads((out / "bench.json").read_text())
     assert report["mode"] == "scripted"
+    assert report["drafter"]["num_draft_tokens"] == 8
+    assert report["drafter"]["max_spec_factor"] == 2.0
     assert report["blas"] in ("openblas", "reference", "accelerate")
     assert set(report["workloads"]) == {"code-edit", "agentic"}
     for wl in report["workloads"].values():
@@ -118,6 +121,7 @@ def test_bench_server_arms_and_demo(tmp_path, tiny_model_path, models_dir):
             "--requests", "2", "--max-tokens", "16", "--repetitions", "1", "--arms", "stock",
             "--prompt-chars", "600", "--workloads", "agentic", "--server",
             "--concurrency", "2", "--server-fixed", "--out", str(out),
+            "--max-spec-factor", "1.5",  # passed on to the servers
         ],
     )
     assert result.exit_code == 0, result.output + repr(result.exception)

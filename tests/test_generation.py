@@ -255,14 +255,56 @@ def test_lifecycle_close_exception_and_repeat(model_and_tokenizer):
     assert drafter.active_requests == 0
 
 
+class WrongFirstToken(SuffixDrafter):
+    """Drafts the suffix trees' continuation with a wrong first token."""
+
+    def propose(self, req_id, max_tokens=None):
+        d = super().propose(req_id, max_tokens)
+        if d.tokens:
+            d.tokens[0] += 1
+        return d
+
+
+def test_first_token_miss_stays_pipelined(model_and_tokenizer):
+    """The running plain forward rejects every draft by its first token: no
+    verification forward, and every forward is queued before the token it
+    follows is yielded, exactly as stock generate_step pipelines."""
+    model, tokenizer = model_and_tokenizer
+    prompt = _prompts(tokenizer, 2)[1]
+    drafter = WrongFirstToken(policy="fixed")
+    _suffix(model, prompt, drafter, max_tokens=40)  # the repeat drafts from it
+    yielded, calls = [], []
+
+    class Spy(_Wrapper):
+        def __call__(self, inputs, cache=None, **kw):
+            calls.append((inputs.shape[1], len(yielded)))
+            return self.inner(inputs, cache=cache, **kw)
+
+    drafted = drafter.stats.drafted
+    for t, _, _ in suffix_generate_step(mx.array(prompt), Spy(model), drafter, max_tokens=40):
+        yielded.append(t)
+    assert yielded == _stock(model, prompt, max_tokens=40)
+    assert drafter.stats.drafted - drafted > 5 and drafter.stats.accepted == 0
+    # After the prefill: the last prompt token, then token i's forward while
+    # i - 1 tokens have been yielded.
+    assert calls[1:] == [(1, 0)] + [(1, i) for i in range(40)]
+
+
 def test_cache_holds_exactly_prompt_plus_yielded_tokens(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     prompt = _prompts(tokenizer, 2)[1]
-    for stop_after in (3, 17, 40):
+    # Where a run of accepted draft tokens starts (a repeat drafts long runs):
+    # stopping there leaves accepted tokens in the cache that were never
+    # yielded, which closing must drop.
+    warm = SuffixDrafter(policy="fixed")
+    _suffix(model, prompt, warm, max_tokens=40)
+    flags = [f for _, _, f in suffix_generate_step(mx.array(prompt), model, warm, max_tokens=40)]
+    mid_draft = next(i + 1 for i in range(39) if flags[i] and flags[i + 1])
+    for stop_after in (3, 17, 40, mid_draft):
         cache = [KVCache() for _ in model.layers]
+        drafter = warm if stop_after == mid_draft else SuffixDrafter(policy="fixed")
         gen = suffix_generate_step(
-            mx.array(prompt), model, SuffixDrafter(policy="fixed"), max_tokens=40,
-            prompt_cache=cache,
+            mx.array(prompt), model, drafter, max_tokens=40, prompt_cache=cache
         )
         toks = [t for t, _, _ in (next(gen) for _ in range(stop_after))]
         gen.close()

@@ -74,8 +74,23 @@ def test_probability_scale_shortens_drafts():
     assert expected_accepted([0.9] * 4, 4, ratio=0.5) == pytest.approx(1.8)
     c = Calibration()
     for _ in range(50):
-        c.update(expected=10.0, accepted=2)
-    assert c.ratio < 0.3
+        c.update(expected=10.0, accepted=2, match_len=2)
+    assert c.ratio(1) < 0.3  # drafts from one- or two-token matches seldom hold
+    assert c.ratio(20) == 1.0  # other match lengths keep the prior
+    # Repeats the trees rate 0.5 (their own occurrence counts) are accepted in
+    # full: trusted more, up to the cap, and then they pay.
+    for _ in range(50):
+        c.update(expected=5.0, accepted=10, match_len=20)
+    assert c.ratio(20) == pytest.approx(510 / 260)  # with the prior's 10 of 10
+    assert c.scale([0.6, 0.3], 20) == [1.0, pytest.approx(0.3 * 510 / 260)]
+    dearish = VerifyCost({1: 1.0, 2: 1.6, 32: 19.6})
+    assert best_length([0.5] * 8, dearish) == 0
+    assert best_length(c.scale([0.5] * 8, 20), dearish) == 8
+    assert best_length(c.scale([0.5] * 8, 2), dearish) == 0
+    assert list(c.ratios()) == ["1-2", "3-4", "5-8", "9-16", "17+"]
+    for _ in range(50):
+        c.update(expected=1.0, accepted=10, match_len=9)
+    assert c.ratio(9) == c.max_ratio == 2.5
 
 
 def test_pipelined_drafts_pay_only_for_their_tail():
@@ -135,6 +150,12 @@ def test_calibration_on_the_loaded_model(tiny_model_path):
     model.set_dtype(mx.float32)
     cost = VerifyCost.calibrate(model, sizes=(1, 4, 16), context=32, repeats=1)
     assert set(cost.points) == {1, 4, 16} and all(v > 0 for v in cost.points.values())
+    # Real steps refine it: a faster one lowers the point (and smaller sizes
+    # with it where they would cost more), a slower one raises it up to the
+    # proportional bound.
+    before = cost(16)
+    cost.observe(16, before / 3)
+    assert cost(16) < before and cost(4) <= cost(16)
     before = cost(16)
     cost.observe(16, before * 3)
-    assert cost(16) > before
+    assert before < cost(16) <= 4 * cost(4)

@@ -19,7 +19,7 @@ import pytest
 from openai import OpenAI
 
 from mlx_lm_suffix.bench import free_port, stop_process
-from mlx_lm_suffix.drafting import SuffixDrafter, read_cache_file
+from mlx_lm_suffix.drafting import DEFAULT_NUM_DRAFT_TOKENS, SuffixDrafter, read_cache_file
 
 SERVER = str(Path(sys.executable).with_name("mlx_lm.server"))
 MAX_TOKENS = 32
@@ -193,7 +193,8 @@ def _parse(monkeypatch, *argv):
 
 def test_cli_flags(monkeypatch):
     ns = _parse(monkeypatch, "--model", "m", "--draft", "suffix")
-    assert ns.draft == "suffix" and ns.draft_model is None and ns.num_draft_tokens == 16
+    assert ns.draft == "suffix" and ns.draft_model is None
+    assert ns.num_draft_tokens == DEFAULT_NUM_DRAFT_TOKENS == 32
     assert ns.suffix_cache_scope == "global" and ns.suffix_cache_file is None
     ns = _parse(monkeypatch, "--model", "m", "--draft", "suffix", "--num-draft-tokens", "5")
     assert ns.num_draft_tokens == 5
@@ -330,8 +331,10 @@ def test_eight_concurrent_requests_in_one_batch(stock_server, suffix_server):
     texts = [_source_text(10 + i, n=100 + 20 * i) for i in range(8)]
     s, x = stock_server.client(), suffix_server.client()
     refs = [_chat(s, t)[:2] for t in texts]
-    for t in texts[::2]:  # half the rows will accept long drafts, half few
+    for t in texts[::2]:  # half the rows will accept long drafts...
         assert _chat(x, t)[:2] == refs[texts.index(t)]
+    # ...and half draft at most 2 tokens a step.
+    short = {"num_draft_tokens": 2}
 
     def round_():
         # A long request keeps the batch busy, so that the eight requests
@@ -349,7 +352,7 @@ def test_eight_concurrent_requests_in_one_batch(stock_server, suffix_server):
 
         def one(t):
             barrier.wait()
-            return _chat(x, t)
+            return _chat(x, t, extra_body=short if texts.index(t) % 2 else None)
 
         before = suffix_server.stats()
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
