@@ -218,7 +218,8 @@ def parity(
         prompts: Text (chat-templated when the tokenizer has a template) or
             token lists.
         max_tokens: Tokens per run (runs also stop at an EOS token).
-        num_draft_tokens: Most tokens drafted per step in spec-on runs.
+        num_draft_tokens: Most tokens drafted per step in spec-on runs
+            (fixed-length drafting: the longest draft the trees allow).
         top_k, tie_threshold: The NEAR_TIE rule (see :func:`compare`).
         step_fn: The spec-on generator, called like
             :func:`suffix_generate_step` ``(prompt, model, drafter,
@@ -235,7 +236,9 @@ def parity(
     if top_k < 2:
         raise ValueError(f"top_k must be at least 2, got {top_k}")
     eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
-    drafter = SuffixDrafter(num_draft_tokens=num_draft_tokens)
+    # Fixed-length drafting: verify every draft the trees offer, whether or
+    # not it would pay, so that as many tokens as possible are checked.
+    drafter = SuffixDrafter(num_draft_tokens=num_draft_tokens, policy="fixed")
     results = []
     for index, prompt in enumerate(prompts):
         ids = encode_prompt(tokenizer, prompt)
