@@ -167,9 +167,9 @@ class Calibration:
         return {name: self.ratio(lo) for name, lo in zip(names, lows)}
 
 
-def expected_accepted(probs: Sequence[float], length: int, ratio: float = 1.0) -> float:
+def expected_accepted(probs: Sequence[float], length: int) -> float:
     """Expected accepted tokens of the first ``length`` draft tokens."""
-    return sum(min(1.0, ratio * p) for p in probs[:length])
+    return sum(probs[:length])
 
 
 def given_first(probs: Sequence[float]) -> List[float]:
@@ -180,11 +180,11 @@ def given_first(probs: Sequence[float]) -> List[float]:
     return [min(1.0, p / probs[0]) for p in probs[1:]]
 
 
-def best_length(
-    probs: Sequence[float], cost: VerifyCost, ratio: float = 1.0, pipelined: bool = False
-) -> int:
+def best_length(probs: Sequence[float], cost: VerifyCost, pipelined: bool = False) -> int:
     """Draft length maximising expected committed tokens per second for one
-    sequence; ``0`` when no draft beats a plain step.
+    sequence; ``0`` when no draft beats a plain step. ``probs``: cumulative
+    acceptance probabilities (the trees' estimates scaled by
+    :meth:`Calibration.scale`).
 
     Not pipelined, the verifying forward feeds the last committed token plus
     the draft. Pipelined, the plain forward after the last committed token is
@@ -193,12 +193,12 @@ def best_length(
     the rest; so a draft is worth it when its tail is, given its first token.
     """
     if pipelined:
-        tail = best_length(given_first(probs), cost, ratio)
+        tail = best_length(given_first(probs), cost)
         return tail + 1 if tail else 0
     best, best_rate = 0, 1.0 / cost(1)
     gain = 1.0
     for i, p in enumerate(probs):
-        gain += min(1.0, ratio * p)
+        gain += p
         rate = gain / cost(i + 2)
         if rate > best_rate:
             best, best_rate = i + 1, rate
@@ -206,7 +206,7 @@ def best_length(
 
 
 def best_batch_lengths(
-    probs: List[Sequence[float]], cost: VerifyCost, ratio: float = 1.0, pipelined: bool = False
+    probs: List[Sequence[float]], cost: VerifyCost, pipelined: bool = False
 ) -> List[int]:
     """Draft lengths for the rows of a batch whose forward feeds every row's
     last committed token plus its draft. The longest row sets the forward's
@@ -216,7 +216,7 @@ def best_batch_lengths(
     :func:`best_length`, each row's first token is checked for free and the
     width is chosen for the tails, given their first tokens."""
     if pipelined:
-        tails = best_batch_lengths([given_first(p) for p in probs], cost, ratio)
+        tails = best_batch_lengths([given_first(p) for p in probs], cost)
         return [n + 1 if n else 0 for n in tails]
     B = len(probs)
     if B == 0:
@@ -224,7 +224,7 @@ def best_batch_lengths(
     k_max = max((len(p) for p in probs), default=0)
     best_k, best_rate = 0, B / cost(B)
     for k in range(1, k_max + 1):
-        gain = B + sum(expected_accepted(p, k, ratio) for p in probs)
+        gain = B + sum(expected_accepted(p, k) for p in probs)
         rate = gain / cost(B * (k + 1))
         if rate > best_rate:
             best_k, best_rate = k, rate

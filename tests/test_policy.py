@@ -69,9 +69,9 @@ def test_drafts_short_or_nothing_when_unlikely_or_dear():
 
 def test_probability_scale_shortens_drafts():
     probs = _cum(0.97, 16)
-    assert best_length(probs, MID, ratio=1.0) > 8
-    assert best_length(probs, MID, ratio=0.1) == 0
-    assert expected_accepted([0.9] * 4, 4, ratio=0.5) == pytest.approx(1.8)
+    assert best_length(probs, MID) > 8
+    assert best_length([0.1 * p for p in probs], MID) == 0
+    assert expected_accepted([0.45] * 4, 4) == pytest.approx(1.8)
     c = Calibration()
     for _ in range(50):
         c.update(expected=10.0, accepted=2, match_len=2)
