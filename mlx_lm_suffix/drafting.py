@@ -320,22 +320,22 @@ class SuffixDrafter:
         drafted: int = 0,
         accepted: int = 0,
         steps: int = 1,
-        expected: float = 0.0,
-        match_len: int = 0,
+        draft: Optional[Draft] = None,
     ) -> None:
-        """Count target forwards and the draft tokens they verified/accepted;
-        ``expected`` is the sum of the verified tokens' probability estimates
-        and ``match_len`` the draft's (see :class:`Draft`). (Committed tokens
-        are counted by :meth:`commit`.)"""
+        """Count target forwards and the draft tokens they verified/accepted:
+        the first ``drafted`` tokens of ``draft`` (whose estimates calibrate
+        the policy). (Committed tokens are counted by :meth:`commit`.)"""
         with self._lock:
             self.stats.steps += steps
             self.stats.drafted += drafted
             self.stats.accepted += accepted
             if drafted:
+                probs = draft.probs[:drafted] if draft is not None else []
                 self.stats.draft_steps += 1
-                self.stats.expected += expected
+                self.stats.expected += sum(probs)
                 self.stats.lengths[drafted] = self.stats.lengths.get(drafted, 0) + 1
-                self.calibration.update(expected, accepted, match_len)
+                if draft is not None:
+                    self.calibration.update(probs, accepted, draft.match_len)
 
     def _keep_response(self, req_id: int, scope: Hashable, response: List[int]) -> None:
         if req_id in self._caches[scope].cached_requests:

@@ -245,12 +245,7 @@ def suffix_generate_step(
                     first, first_lp = nxt
                     if first.item() != draft[0]:
                         # A plain step after all: the next one is pipelined.
-                        drafter.record(
-                            drafted=1,
-                            accepted=0,
-                            expected=proposal.probs[0],
-                            match_len=proposal.match_len,
-                        )
+                        drafter.record(drafted=1, accepted=0, draft=proposal)
                         pending, pending_is_plain = nxt, False
                         spec_mode = False
                         continue
@@ -271,12 +266,7 @@ def suffix_generate_step(
                 rollback(prompt_cache, k - a)
                 kept = inputs.size - (k - a)
                 extend_history(inputs[:kept])
-                drafter.record(
-                    drafted=k,
-                    accepted=a,
-                    expected=sum(proposal.probs),
-                    match_len=proposal.match_len,
-                )
+                drafter.record(drafted=k, accepted=a, draft=proposal)
                 last_in_cache = True
                 for i in range(a):
                     drafter.commit(req, [draft[i]])

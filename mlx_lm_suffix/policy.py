@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import Dict, List, Sequence
+from typing import Any, Dict, List, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -56,14 +56,26 @@ class VerifyCost:
         i = bisect.bisect_left(sizes, n)
         if i < len(sizes) and sizes[i] == n:
             return pts[n]
-        lo, hi = (sizes[i - 1], sizes[i]) if i < len(sizes) else (sizes[-2], sizes[-1])
-        if lo == hi:
-            return pts[lo] * n / lo
-        slope = (pts[hi] - pts[lo]) / (hi - lo)
-        return max(pts[lo] + slope * (n - lo), pts[sizes[0]])
+        if i == len(sizes):
+            # Past the largest point, growth is at most proportional; assume
+            # it (a forward that large is compute-bound on most machines).
+            return pts[sizes[-1]] * n / sizes[-1]
+        lo, hi = sizes[i - 1], sizes[i]
+        return pts[lo] + (pts[hi] - pts[lo]) * (n - lo) / (hi - lo)
 
     def observe(self, n: int, seconds: float) -> None:
-        """Refine the nearest measured point with a real step's time."""
+        """Refine the nearest measured point with a real step's time. A step
+        larger than any point (batched verification) adds a point at the
+        next power of two, from its own time."""
+        if not self.smoothing:
+            return
+        if n > self._sizes[-1]:
+            size = 1 << (n - 1).bit_length()
+            if size not in self.points:
+                self.points[size] = seconds * size / n
+                self._sizes = sorted(self.points)
+                self._envelope()
+                return
         near = min(self._sizes, key=lambda s: abs(s - n))
         if near != n and not (near / 2 <= n <= near * 2):
             return
@@ -116,55 +128,103 @@ class VerifyCost:
 
 class Calibration:
     """How far to trust the suffix trees' probability estimates, learnt
-    online per match length (how many context tokens the draft's tree path
-    matched).
+    online from verified drafts: for a draft's first token per match length
+    (how many context tokens the draft's tree path matched), and for the
+    tokens after it, given that the first is right, per match length and
+    per band of their own estimate.
 
     The estimates are frequencies in the trees, and the request's own
     occurrence of the matched text counts too, so a continuation seen once
     before gets about 0.5 however certain it is (repeats are accepted far
     more often than that), while a draft from a match of one or two tokens
-    gets a high estimate that open-ended text seldom bears out. Each match
-    length bucket keeps the ratio of accepted to expected draft tokens (from
-    a prior of ``prior_ratio``, worth ``prior_expected`` tokens, forgetting
-    slowly) and scales the estimates by it, at most ``max_ratio`` times."""
+    gets a high estimate that open-ended text seldom bears out, often flat
+    after the first token (the trees know a single continuation) and seldom
+    right. Where repeats branch (tool-call JSON seen before with other
+    arguments), the estimates fall along the draft faster than acceptance
+    does. Each cell keeps the ratio of accepted to expected tokens (from a
+    prior of ``prior_ratio``, worth ``prior_expected`` tokens, forgetting
+    slowly) and scales the estimates in it by that ratio, at most
+    ``max_ratio`` times."""
 
     #: Upper bounds of the match length buckets (the last is open).
     BUCKETS = (2, 4, 8, 16)
+    #: Upper bounds of the bands of a later token's estimate given the first.
+    BANDS = (0.25, 0.5, 0.75)
 
     def __init__(
         self, prior_expected: float = 10.0, prior_ratio: float = 1.0, max_ratio: float = 2.5
     ):
+        self.prior_expected = prior_expected
+        self.prior_ratio = prior_ratio
         self.max_ratio = max_ratio
-        n = len(self.BUCKETS) + 1
-        self.expected = [prior_expected] * n
-        self.accepted = [prior_expected * prior_ratio] * n
+        self.expected: Dict[tuple, float] = {}
+        self.accepted: Dict[tuple, float] = {}
 
     @classmethod
     def bucket(cls, match_len: int) -> int:
         return bisect.bisect_left(cls.BUCKETS, match_len)
 
-    def ratio(self, match_len: int) -> float:
-        b = self.bucket(match_len)
-        return min(self.max_ratio, self.accepted[b] / self.expected[b])
+    @classmethod
+    def _cell(cls, match_len: int, part: str, q: float) -> tuple:
+        if part == "first":
+            return ("first", cls.bucket(match_len))
+        return ("tail", cls.bucket(match_len), bisect.bisect_right(cls.BANDS, q))
+
+    def ratio(self, match_len: int, part: str = "tail", q: float = 1.0) -> float:
+        """The scale of a ``part`` (``"first"`` or ``"tail"``) estimate at
+        ``match_len``; for the tail, of estimates ``q`` given the first."""
+        cell = self._cell(match_len, part, q)
+        expected = self.expected.get(cell, self.prior_expected)
+        accepted = self.accepted.get(cell, self.prior_expected * self.prior_ratio)
+        return min(self.max_ratio, accepted / expected)
 
     def scale(self, probs: Sequence[float], match_len: int) -> List[float]:
-        """The estimates as probabilities for the policy (at most 1)."""
-        r = self.ratio(match_len)
-        return [min(1.0, r * p) for p in probs]
+        """The (cumulative) estimates as probabilities for the policy: the
+        first token's scaled by its cell's ratio, each later one's given the
+        first (``probs[i] / probs[0]``) by its own cell's, each at most 1
+        and at most the one before."""
+        if not probs or probs[0] <= 0:
+            return [0.0] * len(probs)
+        first = min(1.0, self.ratio(match_len, "first") * probs[0])
+        out, cond = [first], 1.0
+        for p in probs[1:]:
+            q = min(1.0, p / probs[0])
+            cond = min(cond, self.ratio(match_len, "tail", q) * q)
+            out.append(first * cond)
+        return out
 
-    def update(self, expected: float, accepted: int, match_len: int) -> None:
-        b = self.bucket(match_len)
-        self.expected[b] += expected
-        self.accepted[b] += accepted
-        if self.expected[b] > 500:  # keep adapting: forget old steps
-            self.expected[b] *= 0.5
-            self.accepted[b] *= 0.5
+    def update(self, probs: Sequence[float], accepted: int, match_len: int) -> None:
+        """Learn from a verified draft: its tokens' (unscaled) estimates and
+        how many of them verification accepted."""
+        if not probs:
+            return
+        self._add(self._cell(match_len, "first", 1.0), probs[0], min(accepted, 1))
+        if accepted and probs[0] > 0:
+            for i, p in enumerate(probs[1:], 1):
+                q = min(1.0, p / probs[0])
+                self._add(self._cell(match_len, "tail", q), q, int(accepted > i))
 
-    def ratios(self) -> Dict[str, float]:
-        """Each bucket's scale, keyed by its match lengths (for stats)."""
+    def _add(self, cell: tuple, expected: float, accepted: float) -> None:
+        e = self.expected.get(cell, self.prior_expected) + expected
+        a = self.accepted.get(cell, self.prior_expected * self.prior_ratio) + accepted
+        if e > 500:  # keep adapting: forget old steps
+            e, a = e * 0.5, a * 0.5
+        self.expected[cell], self.accepted[cell] = e, a
+
+    def ratios(self) -> Dict[str, Dict[str, Any]]:
+        """The scales for stats: ``first`` per match length bucket, ``tail``
+        per bucket and band of the estimate given the first."""
         lows = (1,) + tuple(b + 1 for b in self.BUCKETS)
         names = [f"{lo}-{hi}" for lo, hi in zip(lows, self.BUCKETS)] + [f"{lows[-1]}+"]
-        return {name: self.ratio(lo) for name, lo in zip(names, lows)}
+        bands = (0.0,) + self.BANDS
+        band_names = [f"{lo:g}-{hi:g}" for lo, hi in zip(bands, self.BANDS + (1,))]
+        return {
+            "first": {n: self.ratio(lo, "first") for n, lo in zip(names, lows)},
+            "tail": {
+                n: {b: self.ratio(lo, "tail", q) for b, q in zip(band_names, bands)}
+                for n, lo in zip(names, lows)
+            },
+        }
 
 
 def expected_accepted(probs: Sequence[float], length: int) -> float:
@@ -212,23 +272,32 @@ def best_batch_lengths(
     last committed token plus its draft. The longest row sets the forward's
     shape (every row is padded to ``1 + K``), so one width ``K`` is chosen for
     the batch to maximise expected committed tokens of all rows per second;
-    each row then drafts ``min(len(its draft), K)``. ``pipelined``: as for
-    :func:`best_length`, each row's first token is checked for free and the
-    width is chosen for the tails, given their first tokens."""
-    if pipelined:
-        tails = best_batch_lengths([given_first(p) for p in probs], cost)
-        return [n + 1 if n else 0 for n in tails]
+    each row then drafts ``min(len(its draft), K)``.
+
+    ``pipelined``: the batch's plain forward over every row's pending token
+    is running, checks each row's first draft token for free, and the
+    verification follows it in the same step. So the width is chosen for the
+    tails, given their first tokens, and for the rate of the whole step (the
+    plain forward's tokens and time included): a verification pays when it
+    commits tokens faster than plain steps do, and its width is the one that
+    makes the step fastest, which is longer than the one that would make
+    the verification alone fastest."""
     B = len(probs)
     if B == 0:
         return []
+    sunk_tokens = sunk_cost = 0.0
+    if pipelined:
+        probs = [given_first(p) for p in probs]
+        sunk_tokens, sunk_cost = B, cost(B)
     k_max = max((len(p) for p in probs), default=0)
     best_k, best_rate = 0, B / cost(B)
     for k in range(1, k_max + 1):
-        gain = B + sum(expected_accepted(p, k) for p in probs)
-        rate = gain / cost(B * (k + 1))
+        gain = sunk_tokens + B + sum(expected_accepted(p, k) for p in probs)
+        rate = gain / (sunk_cost + cost(B * (k + 1)))
         if rate > best_rate:
             best_k, best_rate = k, rate
-    return [min(len(p), best_k) for p in probs]
+    lengths = [min(len(p), best_k) for p in probs]
+    return [n + 1 if n else 0 for n in lengths] if pipelined else lengths
 
 
 def histogram(lengths: Dict[int, int]) -> Dict[str, int]:

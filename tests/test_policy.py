@@ -5,7 +5,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from mlx_lm_suffix.drafting import SuffixDrafter
+from mlx_lm_suffix.drafting import Draft, SuffixDrafter
 from mlx_lm_suffix.policy import (
     Calibration,
     VerifyCost,
@@ -23,7 +23,7 @@ CPU = VerifyCost({1: 118, 2: 119, 4: 146, 8: 158, 16: 194, 32: 281})  # notes.md
 def test_cost_interpolation_and_extrapolation():
     assert CPU(1) == 118 and CPU(16) == 194
     assert CPU(12) == pytest.approx((158 + 194) / 2)
-    assert CPU(64) > CPU(32)  # extrapolated along the last segment
+    assert CPU(64) == 2 * CPU(32)  # past the last point: proportional
     assert CPU(0) == 118
     with pytest.raises(ValueError):
         VerifyCost({4: 1.0})
@@ -41,6 +41,21 @@ def test_cost_curve_stays_physical_under_noise():
     assert CPU.points == {1: 118, 2: 119, 4: 146, 8: 158, 16: 194, 32: 281}
 
 
+def test_cost_curve_learns_sizes_past_its_points():
+    # Batched verification feeds more tokens than calibration measured: past
+    # the last point the curve grows proportionally until real steps add a
+    # point (at the next power of two) from their own time.
+    c = VerifyCost({1: 1.0, 64: 4.0})
+    assert c(128) == 8.0
+    c.observe(100, 5.0)
+    assert c.points[128] == pytest.approx(6.4) and c(256) == pytest.approx(12.8)
+    c.observe(120, 12.0)  # refined like any point, within the proportional bound
+    assert 6.4 < c.points[128] <= 8.0
+    known = VerifyCost({1: 1.0, 64: 4.0}, smoothing=0)
+    known.observe(100, 5.0)
+    assert known.points == {1: 1.0, 64: 4.0}
+
+
 def _cum(p, n):
     """Cumulative estimates, as arctic-inference returns them."""
     return [p ** (i + 1) for i in range(n)]
@@ -51,9 +66,10 @@ MID = VerifyCost({1: 1.0, 2: 1.2, 4: 1.6, 8: 2.4, 16: 4.0})
 
 def test_drafts_long_when_cheap_and_likely():
     assert best_length([1.0] * 32, FLAT) == 32
-    assert best_length([1.0] * 32, CPU) == 32
+    # (31: past its largest point, 32 tokens, the curve grows proportionally)
+    assert best_length([1.0] * 31, CPU) == 31
     assert best_length(_cum(0.95, 32), CPU) >= 8
-    assert best_length(_cum(0.98, 16), MID) == 16
+    assert best_length(_cum(0.98, 15), MID) == 15
 
 
 def test_drafts_short_or_nothing_when_unlikely_or_dear():
@@ -73,24 +89,49 @@ def test_probability_scale_shortens_drafts():
     assert best_length([0.1 * p for p in probs], MID) == 0
     assert expected_accepted([0.45] * 4, 4) == pytest.approx(1.8)
     c = Calibration()
-    for _ in range(50):
-        c.update(expected=10.0, accepted=2, match_len=2)
-    assert c.ratio(1) < 0.3  # drafts from one- or two-token matches seldom hold
-    assert c.ratio(20) == 1.0  # other match lengths keep the prior
+    for i in range(50):  # first tokens right 4 in 5, tails never
+        c.update([0.5] * 4, accepted=1 if i % 5 else 0, match_len=2)
+    assert c.ratio(1, "first") == pytest.approx(50 / 35)  # with the prior's 10 of 10
+    assert c.ratio(1, "tail") == pytest.approx(10 / 130)
+    assert c.ratio(20, "first") == c.ratio(20, "tail") == 1.0  # other buckets: the prior
+    # Flat estimates after a short match (one continuation known) are scaled
+    # down after the first token too, so a pipelined tail no longer looks sure.
+    assert c.scale([0.5] * 3, 2) == pytest.approx([5 / 7, 5 / 7 / 13, 5 / 7 / 13])
+    assert best_length([0.5] * 8, MID, pipelined=True) == 8
+    assert best_length(c.scale([0.5] * 8, 2), MID, pipelined=True) == 0
     # Repeats the trees rate 0.5 (their own occurrence counts) are accepted in
-    # full: trusted more, up to the cap, and then they pay.
+    # full: their first token is trusted more, up to the cap, and then they pay.
     for _ in range(50):
-        c.update(expected=5.0, accepted=10, match_len=20)
-    assert c.ratio(20) == pytest.approx(510 / 260)  # with the prior's 10 of 10
-    assert c.scale([0.6, 0.3], 20) == [1.0, pytest.approx(0.3 * 510 / 260)]
+        c.update([0.5, 0.5], accepted=2, match_len=20)
+    assert c.ratio(20, "first") == pytest.approx(60 / 35)
+    assert c.ratio(20, "tail") == 1.0  # flat tails were right: nothing to correct
+    assert c.scale([0.5, 0.25], 20) == pytest.approx([60 / 70, 60 / 70 / 2])
     dearish = VerifyCost({1: 1.0, 2: 1.6, 32: 19.6})
     assert best_length([0.5] * 8, dearish) == 0
     assert best_length(c.scale([0.5] * 8, 20), dearish) == 8
-    assert best_length(c.scale([0.5] * 8, 2), dearish) == 0
-    assert list(c.ratios()) == ["1-2", "3-4", "5-8", "9-16", "17+"]
+    assert best_length(c.scale([0.5] * 8, 2), dearish) == 1  # the first token alone
+    assert list(c.ratios()["first"]) == list(c.ratios()["tail"]) == [
+        "1-2", "3-4", "5-8", "9-16", "17+"
+    ]
+    assert list(c.ratios()["tail"]["17+"]) == ["0-0.25", "0.25-0.5", "0.5-0.75", "0.75-1"]
     for _ in range(50):
-        c.update(expected=1.0, accepted=10, match_len=9)
-    assert c.ratio(9) == c.max_ratio == 2.5
+        c.update([0.1, 0.1], accepted=2, match_len=9)
+    assert c.ratio(9, "first") == c.max_ratio == 2.5
+    # Estimates that fall along the draft faster than acceptance does (repeats
+    # that branch) are trusted more, band by band; the draft stays monotone.
+    for _ in range(50):
+        c.update([0.5, 0.3, 0.1], accepted=3, match_len=5)
+    assert c.ratio(5, "tail", 0.6) == pytest.approx(60 / 40)
+    assert c.ratio(5, "tail", 0.2) == c.max_ratio
+    assert c.ratio(5, "tail", 0.9) == 1.0  # no data in that band: the prior
+    first = 60 / 70  # 0.5 scaled by 60 accepted of 35 expected
+    assert c.scale([0.5, 0.3, 0.1], 5) == pytest.approx([first, first * 0.9, first * 0.5])
+    assert c.scale([0.5, 0.5, 0.3], 5) == pytest.approx([first, first, first * 0.9])
+    assert best_length(c.scale([0.5, 0.3, 0.1], 5), MID, pipelined=True) == 3
+    # Unverified drafts teach nothing; a first-token miss teaches the first part only.
+    c.update([], accepted=0, match_len=3)
+    c.update([0.9], accepted=0, match_len=3)
+    assert c.ratio(3, "first") == pytest.approx(10 / 10.9) and c.ratio(3, "tail") == 1.0
 
 
 def test_pipelined_drafts_pay_only_for_their_tail():
@@ -126,6 +167,20 @@ def test_batch_width_accounts_for_longest_row():
     assert best_batch_lengths(rows, LINEAR, pipelined=True) == [0] * 8
 
 
+def test_pipelined_batch_width_counts_the_plain_forward():
+    # Every verification follows the batch's plain forward in the same step:
+    # the width that makes the whole step fastest is longer than the one
+    # that makes the verification alone fastest.
+    cost = VerifyCost({1: 1.0, 8: 2.0, 16: 2.2, 64: 5.0, 256: 17.0})
+    rows = [[0.5] * 32] * 5 + [[0.5] * 8 + _cum(0.5, 24)] * 3
+    step = best_batch_lengths(rows, cost, pipelined=True)
+    alone = best_batch_lengths([given_first(p) for p in rows], cost)
+    assert len(set(step)) == 1 and step[0] > alone[0] + 1 > 2
+    # Whether to verify at all does not change: only when it beats plain steps.
+    assert best_batch_lengths([[0.5, 0.02]] * 8, cost, pipelined=True) == [0] * 8
+    assert best_batch_lengths([[0.5, 0.5]] * 8, cost, pipelined=True) == [2] * 8
+
+
 def test_drafter_applies_policy_and_records_stats():
     cheap = SuffixDrafter(cost=FLAT)
     dear = SuffixDrafter(cost=LINEAR)
@@ -136,7 +191,7 @@ def test_drafter_applies_policy_and_records_stats():
         d.finish(r)
         q = d.start([4])
         d.commit(q, [10, 11, 12, 13, 14, 15, 16, 17, 18, 19])
-        d.record(drafted=4, accepted=3, expected=3.5)
+        d.record(drafted=4, accepted=3, draft=Draft([1, 2, 3, 4], [1.0, 1.0, 1.0, 0.5]))
     lens = [len(d.draft(q)) for d, q in ((cheap, 1), (dear, 1), (fixed, 1))]
     assert lens[0] > 0 and lens[1] == 0 and lens[2] == lens[0]
     snap = fixed.snapshot()
