@@ -5,8 +5,7 @@ whose :meth:`~SuffixGenerationBatch.next` verifies drafts for every row in
 one forward, and :class:`SuffixBatchGenerator` is a ``BatchGenerator`` that
 uses it. Written against mlx-lm 0.32.2.
 
-A call of :meth:`~SuffixGenerationBatch.next`, for a batch of ``B`` rows, is
-a plain step (1-2) or a verification step (3-5):
+One call of :meth:`~SuffixGenerationBatch.next`, for a batch of ``B`` rows:
 
 1. The exact stock single-token step: every row emits its *pending* token
    ``p_i`` (the target's choice after its last emitted token) and the forward
@@ -16,14 +15,13 @@ a plain step (1-2) or a verification step (3-5):
    ``d_i`` after it, capped by the row's remaining ``max_tokens``, the context
    limit and its own ``num_draft_tokens``; with the drafter's adaptive policy,
    one width for the whole batch is chosen from the drafts' probabilities and
-   the measured verification cost. The call returns: the step stayed
-   pipelined, and the forward runs on while the caller handles its tokens.
-3. The next call starts from the ``s_i``: a draft whose first token differs
-   from ``s_i`` is dropped at no cost, and with no draft left the call is
-   step 1 again. If any row's draft survives, every row's ``[s_i] + d_i[1:]``
-   is right-padded to the longest ``1 + K`` and the batch runs one forward of
-   shape ``(B, 1 + K)`` instead. Logits processors run per position over the
-   row's accepted prefix, and each row samples all its positions.
+   the measured verification cost. No draft: done, the step stayed pipelined.
+3. Otherwise wait for the ``s_i``: a draft whose first token differs from
+   ``s_i`` is dropped at no further cost. If any row's draft survives, every
+   row's ``[s_i] + d_i[1:]`` is right-padded to the longest ``1 + K`` and the
+   batch runs one forward of shape ``(B, 1 + K)``. Logits processors run per
+   position over the row's accepted prefix, and each row samples all its
+   positions.
 4. Row ``i`` accepts the longest prefix ``a_i`` of ``d_i[1:]`` that equals
    the sampled tokens, emits ``[s_i] + d_i[1:1 + a_i]`` and keeps the sampled
    token after them as its next pending token. The batch KV cache drops each
@@ -167,8 +165,6 @@ class SuffixGenerationBatch(GenerationBatch):
         self._req: List[Optional[int]] = [None] * len(uids)
         self._k: List[int] = [0] * len(uids)
         self._usage: List[Optional[RequestUsage]] = [None] * len(uids)
-        # Drafts made after the last call's tokens, checked at the next call.
-        self._stash: Optional[List[Draft]] = None
         super().__init__(*args, **kwargs)
 
     @classmethod
@@ -191,8 +187,6 @@ class SuffixGenerationBatch(GenerationBatch):
     def extend(self, batch: GenerationBatch) -> None:
         n0 = len(self.uids)
         super().extend(batch)
-        if self._stash is not None:
-            self._stash.extend(Draft() for _ in range(len(self.uids) - n0))
         if isinstance(batch, SuffixGenerationBatch):
             self._req.extend(batch._req)
             self._k.extend(batch._k)
@@ -222,8 +216,6 @@ class SuffixGenerationBatch(GenerationBatch):
         self._req = [self._req[i] for i in keep]
         self._k = [self._k[i] for i in keep]
         self._usage = [self._usage[i] for i in keep]
-        if self._stash is not None:
-            self._stash = [self._stash[i] for i in keep]
 
     def finish_all(self) -> None:
         """Stop every row's drafter request (the rows stay in the batch)."""
@@ -330,32 +322,32 @@ class SuffixGenerationBatch(GenerationBatch):
     def next(self) -> List[GenerationBatch.Response]:
         if not self.uids:
             return []
-        drafts, self._stash = self._stash, None
         if not self._can_draft():
             return super().next()
         if getattr(self.drafter, "policy", "fixed") == "adaptive":
             self.drafter.ensure_cost(self.model)  # once per drafter
-        if drafts is not None and any(drafts):
-            # The forward queued by the last call has run while the caller
-            # handled its tokens: they check each draft's first token.
-            nxt = self._next_tokens.tolist()
-            for i, (d, t) in enumerate(zip(drafts, nxt)):
-                if d and d.tokens[0] != t:
-                    self._record_miss(i, d)
-                    drafts[i] = Draft()
-            # The width again, for the confirmed drafts alone.
-            drafts = self._cut(drafts)
-            if any(drafts):
-                for req, t in zip(self._req, nxt):
-                    if req is not None:
-                        self.drafter.commit(req, [t])
-                return self._verify(nxt, drafts)
         # The stock pipelined step: emits the pending tokens and queues the
         # forward after them, which the drafting below overlaps.
         responses = super().next()
-        if self.uids and self._can_draft():
-            self._stash = self._drafts()
-        return responses
+        if not self.uids or not self._can_draft():
+            return responses
+        drafts = self._drafts()
+        if not any(drafts):
+            return responses
+        # Wait for the queued forward: its tokens check each draft's first.
+        nxt = self._next_tokens.tolist()
+        for i, (d, t) in enumerate(zip(drafts, nxt)):
+            if d and d.tokens[0] != t:
+                self._record_miss(i, d)
+                drafts[i] = Draft()
+        # The width again, for the confirmed drafts alone.
+        drafts = self._cut(drafts)
+        if not any(drafts):
+            return responses
+        for req, t in zip(self._req, nxt):
+            if req is not None:
+                self.drafter.commit(req, [t])
+        return responses + self._verify(nxt, drafts)
 
     def _record_miss(self, i: int, draft: Draft) -> None:
         """Count a draft whose first token the plain forward rejected."""
