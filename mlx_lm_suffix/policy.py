@@ -165,18 +165,19 @@ class Calibration:
         return bisect.bisect_left(cls.BUCKETS, match_len)
 
     @classmethod
-    def _cell(cls, match_len: int, part: str, q: float) -> tuple:
-        if part == "first":
-            return ("first", cls.bucket(match_len))
-        return ("tail", cls.bucket(match_len), bisect.bisect_right(cls.BANDS, q))
+    def band(cls, q: float) -> int:
+        return bisect.bisect_right(cls.BANDS, q)
+
+    def _ratio(self, cell: tuple) -> float:
+        expected = self.expected.get(cell, self.prior_expected)
+        accepted = self.accepted.get(cell, self.prior_expected * self.prior_ratio)
+        return min(self.max_ratio, accepted / expected)
 
     def ratio(self, match_len: int, part: str = "tail", q: float = 1.0) -> float:
         """The scale of a ``part`` (``"first"`` or ``"tail"``) estimate at
         ``match_len``; for the tail, of estimates ``q`` given the first."""
-        cell = self._cell(match_len, part, q)
-        expected = self.expected.get(cell, self.prior_expected)
-        accepted = self.accepted.get(cell, self.prior_expected * self.prior_ratio)
-        return min(self.max_ratio, accepted / expected)
+        b = self.bucket(match_len)
+        return self._ratio(("first", b) if part == "first" else ("tail", b, self.band(q)))
 
     def scale(self, probs: Sequence[float], match_len: int) -> List[float]:
         """The (cumulative) estimates as probabilities for the policy: the
@@ -185,11 +186,12 @@ class Calibration:
         and at most the one before."""
         if not probs or probs[0] <= 0:
             return [0.0] * len(probs)
-        first = min(1.0, self.ratio(match_len, "first") * probs[0])
+        b = self.bucket(match_len)
+        first = min(1.0, self._ratio(("first", b)) * probs[0])
+        tail = [self._ratio(("tail", b, i)) for i in range(len(self.BANDS) + 1)]
         out, cond = [first], 1.0
-        for p in probs[1:]:
-            q = min(1.0, p / probs[0])
-            cond = min(cond, self.ratio(match_len, "tail", q) * q)
+        for q in given_first(probs):
+            cond = min(cond, tail[self.band(q)] * q)
             out.append(first * cond)
         return out
 
@@ -198,11 +200,11 @@ class Calibration:
         how many of them verification accepted."""
         if not probs:
             return
-        self._add(self._cell(match_len, "first", 1.0), probs[0], min(accepted, 1))
-        if accepted and probs[0] > 0:
-            for i, p in enumerate(probs[1:], 1):
-                q = min(1.0, p / probs[0])
-                self._add(self._cell(match_len, "tail", q), q, int(accepted > i))
+        b = self.bucket(match_len)
+        self._add(("first", b), probs[0], min(accepted, 1))
+        if accepted:
+            for i, q in enumerate(given_first(probs), 1):
+                self._add(("tail", b, self.band(q)), q, int(accepted > i))
 
     def _add(self, cell: tuple, expected: float, accepted: float) -> None:
         e = self.expected.get(cell, self.prior_expected) + expected
