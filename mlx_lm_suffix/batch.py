@@ -411,7 +411,7 @@ class SuffixGenerationBatch(GenerationBatch):
         sampled = self._sample(logprobs)
         mx.eval(sampled, logprobs)
         if getattr(self.drafter, "cost", None) is not None:
-            self.drafter.cost.observe(inputs.size, time.perf_counter() - tic)
+            self.drafter.cost.observe(inputs.size, time.perf_counter() - tic, rows=B)
         targets = sampled.tolist()
 
         accepted = [accepted_length(d, t[: len(d) + 1]) for d, t in zip(drafts, targets)]

@@ -210,6 +210,9 @@ class SuffixDrafter:
             d.update(
                 probability_scale=self.calibration.ratios(),
                 verify_cost=self.cost.relative() if self.cost is not None else None,
+                batch_cost_factors=(
+                    self.cost.batch_relative() if self.cost is not None else None
+                ),
                 active_requests=self.active_requests,
                 cached_requests=self.cached_requests,
                 cached_tokens=self.cached_tokens,

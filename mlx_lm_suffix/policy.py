@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,10 +25,13 @@ CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 class VerifyCost:
-    """Seconds for one target forward over ``n`` tokens (all rows of a batch
-    together), interpolated linearly between measured points. ``smoothing``
-    is the weight :meth:`observe` gives a real step (0: the points stay as
-    given)."""
+    """Seconds for one target forward over ``n`` tokens: for one sequence,
+    interpolated linearly between measured points; for ``rows`` sequences of
+    a batch (``n`` tokens in all), that times a factor learnt from real
+    batched steps of the same shape (each row attends to its own context,
+    and samples and runs its logits processors per position), or of the
+    nearest shape seen, or 1 until one is seen. ``smoothing`` is the weight :meth:`observe` gives a real step
+    once there are enough of them (0: nothing is learnt)."""
 
     def __init__(self, points: Dict[int, float], smoothing: float = 0.1):
         if not points or 1 not in points:
@@ -37,6 +40,8 @@ class VerifyCost:
         self.smoothing = smoothing
         self._sizes = sorted(self.points)
         self._envelope()
+        # (rows, width bucket) -> [factor, steps seen]
+        self.batch_factors: Dict[Tuple[int, int], List[float]] = {}
 
     def _envelope(self) -> None:
         """Keep the curve physical: a forward over more tokens never costs
@@ -49,7 +54,9 @@ class VerifyCost:
         for lo, hi in zip(reversed(sizes[:-1]), reversed(sizes[1:])):
             pts[lo] = min(pts[lo], pts[hi])
 
-    def __call__(self, n: int) -> float:
+    def __call__(self, n: int, rows: int = 1) -> float:
+        if rows > 1:
+            return self(n) * self._batch_factor(self._shape(n, rows))
         sizes, pts = self._sizes, self.points
         if n <= sizes[0]:
             return pts[sizes[0]]
@@ -63,11 +70,35 @@ class VerifyCost:
         lo, hi = sizes[i - 1], sizes[i]
         return pts[lo] + (pts[hi] - pts[lo]) * (n - lo) / (hi - lo)
 
-    def observe(self, n: int, seconds: float) -> None:
-        """Refine the nearest measured point with a real step's time. A step
-        larger than any point (batched verification) adds a point at the
-        next power of two, from its own time."""
+    def _batch_factor(self, shape: Tuple[int, int]) -> float:
+        """The factor of ``shape``, or, not seen yet, of the nearest shape
+        seen (widths first), or 1."""
+        if shape in self.batch_factors:
+            return self.batch_factors[shape][0]
+        if not self.batch_factors:
+            return 1.0
+        rows, bucket = shape
+        near = min(self.batch_factors, key=lambda s: (abs(s[1] - bucket), abs(s[0] - rows)))
+        return self.batch_factors[near][0]
+
+    @staticmethod
+    def _shape(n: int, rows: int) -> Tuple[int, int]:
+        # Widths (tokens per row) in power-of-two buckets: 1, 2-3, 4-7, ...
+        return rows, max(1, n // rows).bit_length()
+
+    def observe(self, n: int, seconds: float, rows: int = 1) -> None:
+        """Learn from a real step's time: for one sequence, refine the
+        nearest measured point (a step larger than any point adds one at the
+        next power of two, from its own time); for a batch, the factor of
+        its shape (the mean of its first steps, then a moving average)."""
         if not self.smoothing:
+            return
+        if rows > 1:
+            shape = self._shape(n, rows)
+            factor = self.batch_factors.setdefault(shape, [self._batch_factor(shape), 0])
+            factor[1] += 1
+            weight = max(self.smoothing, 1.0 / factor[1])
+            factor[0] += weight * (seconds / self(n) - factor[0])
             return
         if n > self._sizes[-1]:
             size = 1 << (n - 1).bit_length()
@@ -86,6 +117,14 @@ class VerifyCost:
     def relative(self) -> Dict[int, float]:
         """Costs relative to a one-token forward (for stats and reports)."""
         return {k: v / self.points[1] for k, v in sorted(self.points.items())}
+
+    def batch_relative(self) -> Dict[str, float]:
+        """The learnt batch factors (for stats), keyed ``"<rows>x<widths>"``."""
+        names = {}
+        for (rows, bucket), (factor, _) in sorted(self.batch_factors.items()):
+            lo, hi = 1 << (bucket - 1), (1 << bucket) - 1
+            names[f"{rows}x{lo}" if lo == hi else f"{rows}x{lo}-{hi}"] = factor
+        return names
 
     @classmethod
     def calibrate(
@@ -141,13 +180,15 @@ class Calibration:
     after the first token (the trees know a single continuation) and seldom
     right. Where repeats branch (tool-call JSON seen before with other
     arguments), the estimates fall along the draft faster than acceptance
-    does. Each cell keeps the ratio of accepted to expected tokens (from a
-    prior of ``prior_ratio``, worth ``prior_expected`` tokens, forgetting
-    slowly) and scales the estimates in it by that ratio, at most
-    ``max_ratio`` times."""
+    does. Each cell keeps the ratio of accepted to expected tokens and
+    scales the estimates in it by that ratio, at most ``max_ratio`` times.
+    A cell starts from the ratio of its part (first or tail) over all cells,
+    worth ``prior_expected`` tokens, so a match length or band not verified
+    yet is trusted as much as the traffic has earned (that ratio in turn
+    starts from ``prior_ratio``); all forget slowly."""
 
     #: Upper bounds of the match length buckets (the last is open).
-    BUCKETS = (2, 4, 8, 16)
+    BUCKETS = (2, 4, 8, 16, 32)
     #: Upper bounds of the bands of a later token's estimate given the first.
     BANDS = (0.25, 0.5, 0.75)
 
@@ -157,8 +198,10 @@ class Calibration:
         self.prior_expected = prior_expected
         self.prior_ratio = prior_ratio
         self.max_ratio = max_ratio
-        self.expected: Dict[tuple, float] = {}
-        self.accepted: Dict[tuple, float] = {}
+        # Verified tokens' estimates and how many were accepted, per cell and
+        # per part (the cells' pool: key "first" or "tail").
+        self.expected: Dict[Any, float] = {}
+        self.accepted: Dict[Any, float] = {}
 
     @classmethod
     def bucket(cls, match_len: int) -> int:
@@ -169,9 +212,14 @@ class Calibration:
         return bisect.bisect_right(cls.BANDS, q)
 
     def _ratio(self, cell: tuple) -> float:
-        expected = self.expected.get(cell, self.prior_expected)
-        accepted = self.accepted.get(cell, self.prior_expected * self.prior_ratio)
-        return min(self.max_ratio, accepted / expected)
+        part, prior = cell[0], self.prior_expected
+        pooled = (self.accepted.get(part, 0.0) + prior * self.prior_ratio) / (
+            self.expected.get(part, 0.0) + prior
+        )
+        ratio = (self.accepted.get(cell, 0.0) + prior * pooled) / (
+            self.expected.get(cell, 0.0) + prior
+        )
+        return min(self.max_ratio, ratio)
 
     def ratio(self, match_len: int, part: str = "tail", q: float = 1.0) -> float:
         """The scale of a ``part`` (``"first"`` or ``"tail"``) estimate at
@@ -207,11 +255,12 @@ class Calibration:
                 self._add(("tail", b, self.band(q)), q, int(accepted > i))
 
     def _add(self, cell: tuple, expected: float, accepted: float) -> None:
-        e = self.expected.get(cell, self.prior_expected) + expected
-        a = self.accepted.get(cell, self.prior_expected * self.prior_ratio) + accepted
-        if e > 500:  # keep adapting: forget old steps
-            e, a = e * 0.5, a * 0.5
-        self.expected[cell], self.accepted[cell] = e, a
+        for key in (cell, cell[0]):
+            e = self.expected.get(key, 0.0) + expected
+            a = self.accepted.get(key, 0.0) + accepted
+            if e > 500:  # keep adapting: forget old steps
+                e, a = e * 0.5, a * 0.5
+            self.expected[key], self.accepted[key] = e, a
 
     def ratios(self) -> Dict[str, Dict[str, Any]]:
         """The scales for stats: ``first`` per match length bucket, ``tail``
@@ -295,7 +344,7 @@ def best_batch_lengths(
     best_k, best_rate = 0, B / cost(B)
     for k in range(1, k_max + 1):
         gain = sunk_tokens + B + sum(expected_accepted(p, k) for p in probs)
-        rate = gain / (sunk_cost + cost(B * (k + 1)))
+        rate = gain / (sunk_cost + cost(B * (k + 1), rows=B))
         if rate > best_rate:
             best_k, best_rate = k, rate
     lengths = [min(len(p), best_k) for p in probs]

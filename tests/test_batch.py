@@ -429,6 +429,10 @@ def test_adaptive_policy_picks_one_width_per_batch(model_and_tokenizer, prompts)
         gen.close()
         assert tokens == ref
     assert drafter.cost is not None  # measured at the first drafting step
+    # Batched verification steps taught the cost of their shapes.
+    assert gen.draft_stats.max_verify_batch_size > 1
+    assert any(rows > 1 for rows, _ in drafter.cost.batch_factors)
+    assert all(f > 0 for f, _ in drafter.cost.batch_factors.values())
 
     # With a known cost curve, not refined (timings on a loaded machine vary): cheap
     # verification drafts, verification that costs a full step per token

@@ -56,6 +56,37 @@ def test_cost_curve_learns_sizes_past_its_points():
     assert known.points == {1: 1.0, 64: 4.0}
 
 
+def test_batched_steps_learn_their_own_factor():
+    # A batch forward of B rows x W tokens costs more than one sequence's
+    # forward of B*W (each row attends to its own context, samples and runs
+    # its processors per position): real batched steps teach a factor per
+    # shape, and leave the one-sequence curve alone.
+    c = VerifyCost({1: 1.0, 8: 2.0, 16: 2.2, 64: 5.0})
+    assert c(16, rows=8) == c(16) == 2.2  # nothing seen yet: the curve
+    c.observe(16, 3.3, rows=8)  # 8 rows x 2 tokens
+    assert c(16, rows=8) == pytest.approx(3.3) and c.points[16] == 2.2
+    c.observe(24, 3.9, rows=8)  # 8 x 3: the same width bucket, averaged
+    factor = (1.5 + 3.9 / c(24)) / 2
+    assert c.batch_factors[(8, 2)] == [pytest.approx(factor), 2]
+    assert c(16, rows=1) == 2.2
+    # A shape not seen yet takes the nearest one's factor (widths first).
+    assert c(16, rows=4) == pytest.approx(2.2 * factor)
+    assert c(64, rows=8) == pytest.approx(5.0 * factor)
+    c.observe(64, 10.0, rows=8)  # 8 x 8, first seen: the mean starts there
+    assert c.batch_factors[(8, 4)] == [pytest.approx(2.0), 1]
+    assert c(80, rows=8) == pytest.approx(2 * c(80))
+    assert c(4, rows=2) == pytest.approx(c(4) * factor)  # 2 rows x 2: widths first
+    assert c.batch_relative() == {"8x2-3": pytest.approx(factor), "8x8-15": pytest.approx(2.0)}
+    # The policy's verification cost is the batch's: a width that paid on
+    # the curve alone does not once the batch forward is seen to be dear.
+    rows = [[0.6, 0.3]] * 8
+    assert best_batch_lengths(rows, VerifyCost(dict(c.points)), pipelined=True) == [2] * 8
+    assert best_batch_lengths(rows, c, pipelined=True) == [0] * 8
+    frozen = VerifyCost({1: 1.0}, smoothing=0)
+    frozen.observe(8, 5.0, rows=8)
+    assert frozen.batch_factors == {} and frozen(8, rows=8) == 8.0
+
+
 def _cum(p, n):
     """Cumulative estimates, as arctic-inference returns them."""
     return [p ** (i + 1) for i in range(n)]
@@ -83,55 +114,75 @@ def test_drafts_short_or_nothing_when_unlikely_or_dear():
     assert k == 3
 
 
+def _shrunk(accepted, expected, pool_accepted, pool_expected, prior=10.0):
+    """A cell's ratio: its own counts, plus ``prior`` tokens at its pool's
+    ratio (the pool's own prior: ``prior`` tokens at 1.0)."""
+    pooled = (pool_accepted + prior) / (pool_expected + prior)
+    return (accepted + prior * pooled) / (expected + prior)
+
+
 def test_probability_scale_shortens_drafts():
     probs = _cum(0.97, 16)
     assert best_length(probs, MID) > 8
     assert best_length([0.1 * p for p in probs], MID) == 0
     assert expected_accepted([0.45] * 4, 4) == pytest.approx(1.8)
     c = Calibration()
+    assert c.ratio(1, "first") == c.ratio(40, "tail", 0.1) == 1.0  # nothing seen
     for i in range(50):  # first tokens right 4 in 5, tails never
         c.update([0.5] * 4, accepted=1 if i % 5 else 0, match_len=2)
-    assert c.ratio(1, "first") == pytest.approx(50 / 35)  # with the prior's 10 of 10
-    assert c.ratio(1, "tail") == pytest.approx(10 / 130)
-    assert c.ratio(20, "first") == c.ratio(20, "tail") == 1.0  # other buckets: the prior
+    first = _shrunk(40, 25, 40, 25)
+    assert c.ratio(1, "first") == pytest.approx(first)
+    assert c.ratio(1, "tail") == pytest.approx(_shrunk(0, 120, 0, 120))
+    # Match lengths not seen yet start from what their part has earned.
+    assert c.ratio(20, "first") == pytest.approx(50 / 35)
+    assert c.ratio(20, "tail", 0.1) == pytest.approx(10 / 130)
     # Flat estimates after a short match (one continuation known) are scaled
     # down after the first token too, so a pipelined tail no longer looks sure.
-    assert c.scale([0.5] * 3, 2) == pytest.approx([5 / 7, 5 / 7 / 13, 5 / 7 / 13])
+    tail = _shrunk(0, 120, 0, 120)
+    assert c.scale([0.5] * 3, 2) == pytest.approx([first / 2, first / 2 * tail, first / 2 * tail])
     assert best_length([0.5] * 8, MID, pipelined=True) == 8
     assert best_length(c.scale([0.5] * 8, 2), MID, pipelined=True) == 0
+    assert list(c.ratios()["first"]) == list(c.ratios()["tail"]) == [
+        "1-2", "3-4", "5-8", "9-16", "17-32", "33+"
+    ]
+    assert list(c.ratios()["tail"]["33+"]) == ["0-0.25", "0.25-0.5", "0.5-0.75", "0.75-1"]
+
     # Repeats the trees rate 0.5 (their own occurrence counts) are accepted in
     # full: their first token is trusted more, up to the cap, and then they pay.
+    r = Calibration()
     for _ in range(50):
-        c.update([0.5, 0.5], accepted=2, match_len=20)
-    assert c.ratio(20, "first") == pytest.approx(60 / 35)
-    assert c.ratio(20, "tail") == 1.0  # flat tails were right: nothing to correct
-    assert c.scale([0.5, 0.25], 20) == pytest.approx([60 / 70, 60 / 70 / 2])
+        r.update([0.5, 0.5], accepted=2, match_len=20)
+    assert r.ratio(20, "first") == pytest.approx(_shrunk(50, 25, 50, 25))
+    assert r.ratio(20, "tail") == 1.0  # flat tails were right: nothing to correct
+    first = _shrunk(50, 25, 50, 25)
+    assert r.scale([0.5, 0.25], 20) == pytest.approx([first / 2, first / 4])
     dearish = VerifyCost({1: 1.0, 2: 1.6, 32: 19.6})
     assert best_length([0.5] * 8, dearish) == 0
-    assert best_length(c.scale([0.5] * 8, 20), dearish) == 8
-    assert best_length(c.scale([0.5] * 8, 2), dearish) == 1  # the first token alone
-    assert list(c.ratios()["first"]) == list(c.ratios()["tail"]) == [
-        "1-2", "3-4", "5-8", "9-16", "17+"
-    ]
-    assert list(c.ratios()["tail"]["17+"]) == ["0-0.25", "0.25-0.5", "0.5-0.75", "0.75-1"]
+    assert best_length(r.scale([0.5] * 8, 20), dearish) == 8
     for _ in range(50):
-        c.update([0.1, 0.1], accepted=2, match_len=9)
-    assert c.ratio(9, "first") == c.max_ratio == 2.5
+        r.update([0.1, 0.1], accepted=2, match_len=9)
+    assert r.ratio(9, "first") == r.max_ratio == 2.5
+
     # Estimates that fall along the draft faster than acceptance does (repeats
     # that branch) are trusted more, band by band; the draft stays monotone.
+    b = Calibration()
     for _ in range(50):
-        c.update([0.5, 0.3, 0.1], accepted=3, match_len=5)
-    assert c.ratio(5, "tail", 0.6) == pytest.approx(60 / 40)
-    assert c.ratio(5, "tail", 0.2) == c.max_ratio
-    assert c.ratio(5, "tail", 0.9) == 1.0  # no data in that band: the prior
-    first = 60 / 70  # 0.5 scaled by 60 accepted of 35 expected
-    assert c.scale([0.5, 0.3, 0.1], 5) == pytest.approx([first, first * 0.9, first * 0.5])
-    assert c.scale([0.5, 0.5, 0.3], 5) == pytest.approx([first, first, first * 0.9])
-    assert best_length(c.scale([0.5, 0.3, 0.1], 5), MID, pipelined=True) == 3
+        b.update([0.5, 0.3, 0.1], accepted=3, match_len=5)
+    assert b.ratio(5, "tail", 0.6) == pytest.approx(_shrunk(50, 30, 100, 40))
+    assert b.ratio(5, "tail", 0.2) == b.max_ratio
+    # No data in that band: the part's ratio (all tail tokens were accepted).
+    assert b.ratio(5, "tail", 0.9) == pytest.approx(110 / 50)
+    first = 0.5 * _shrunk(50, 25, 50, 25)
+    assert 0.6 * _shrunk(50, 30, 100, 40) > 1  # given the first: at most 1
+    assert b.scale([0.5, 0.3, 0.1], 5) == pytest.approx([first, first, first * 0.2 * 2.5])
+    assert best_length(b.scale([0.5, 0.3, 0.1], 5), MID, pipelined=True) == 3
+
     # Unverified drafts teach nothing; a first-token miss teaches the first part only.
-    c.update([], accepted=0, match_len=3)
-    c.update([0.9], accepted=0, match_len=3)
-    assert c.ratio(3, "first") == pytest.approx(10 / 10.9) and c.ratio(3, "tail") == 1.0
+    m = Calibration()
+    m.update([], accepted=0, match_len=3)
+    m.update([0.9], accepted=0, match_len=3)
+    assert m.ratio(3, "first") == pytest.approx(_shrunk(0, 0.9, 0, 0.9))
+    assert m.ratio(3, "tail") == 1.0 and m.expected == {("first", 1): 0.9, "first": 0.9}
 
 
 def test_pipelined_drafts_pay_only_for_their_tail():
