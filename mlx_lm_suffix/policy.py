@@ -22,6 +22,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64)
+#: How much faster than plain steps a batch's verification must expect to
+#: commit tokens (see :func:`best_batch_lengths`).
+BATCH_MARGIN = 1.2
 
 
 class VerifyCost:
@@ -332,7 +335,13 @@ def best_batch_lengths(
     plain forward's tokens and time included): a verification pays when it
     commits tokens faster than plain steps do, and its width is the one that
     makes the step fastest, which is longer than the one that would make
-    the verification alone fastest."""
+    the verification alone fastest.
+
+    With more than one row, verifying must beat plain steps by
+    ``BATCH_MARGIN``: the rows whose drafts fail, or that have none, wait
+    for the wider forward, and the request that finishes last is the one
+    that gained least (rows that gain finish early), so a verification that
+    only breaks even on the batch's token count slows the batch down."""
     B = len(probs)
     if B == 0:
         return []
@@ -341,7 +350,8 @@ def best_batch_lengths(
         probs = [given_first(p) for p in probs]
         sunk_tokens, sunk_cost = B, cost(B)
     k_max = max((len(p) for p in probs), default=0)
-    best_k, best_rate = 0, B / cost(B)
+    plain_rate = B / cost(B)
+    best_k, best_rate = 0, plain_rate * (BATCH_MARGIN if B > 1 else 1.0)
     for k in range(1, k_max + 1):
         gain = sunk_tokens + B + sum(expected_accepted(p, k) for p in probs)
         rate = gain / (sunk_cost + cost(B * (k + 1), rows=B))

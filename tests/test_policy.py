@@ -5,6 +5,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
+from mlx_lm_suffix import policy
 from mlx_lm_suffix.drafting import Draft, SuffixDrafter
 from mlx_lm_suffix.policy import (
     Calibration,
@@ -79,7 +80,7 @@ def test_batched_steps_learn_their_own_factor():
     assert c.batch_relative() == {"8x2-3": pytest.approx(factor), "8x8-15": pytest.approx(2.0)}
     # The policy's verification cost is the batch's: a width that paid on
     # the curve alone does not once the batch forward is seen to be dear.
-    rows = [[0.6, 0.3]] * 8
+    rows = [[0.9, 0.8]] * 8
     assert best_batch_lengths(rows, VerifyCost(dict(c.points)), pipelined=True) == [2] * 8
     assert best_batch_lengths(rows, c, pipelined=True) == [0] * 8
     frozen = VerifyCost({1: 1.0}, smoothing=0)
@@ -230,6 +231,23 @@ def test_pipelined_batch_width_counts_the_plain_forward():
     # Whether to verify at all does not change: only when it beats plain steps.
     assert best_batch_lengths([[0.5, 0.02]] * 8, cost, pipelined=True) == [0] * 8
     assert best_batch_lengths([[0.5, 0.5]] * 8, cost, pipelined=True) == [2] * 8
+
+
+def test_batch_verification_must_clearly_pay(monkeypatch):
+    # One row's sure extra token in a batch of 8 pays for the wider forward
+    # on the token count alone, barely: the other rows wait for it and the
+    # request that finishes last gains nothing, so the batch does not verify.
+    cost = VerifyCost({1: 1.0, 8: 2.0, 16: 2.2, 64: 5.0})
+    rows = [[1.0, 1.0]] + [[]] * 7
+    assert (16 + 1) / (cost(8) + cost(16)) > 8 / cost(8)
+    assert best_batch_lengths(rows, cost, pipelined=True) == [0] * 8
+    monkeypatch.setattr(policy, "BATCH_MARGIN", 1.0)
+    assert best_batch_lengths(rows, cost, pipelined=True) == [2] + [0] * 7
+    monkeypatch.undo()
+    # Alone, the row is the one that finishes last: it verifies.
+    assert best_batch_lengths(rows[:1], cost, pipelined=True) == [2]
+    # When every row gains, the batch verifies.
+    assert best_batch_lengths([[1.0, 1.0]] * 8, cost, pipelined=True) == [2] * 8
 
 
 def test_drafter_applies_policy_and_records_stats():
