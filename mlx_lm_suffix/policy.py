@@ -33,8 +33,9 @@ class VerifyCost:
     a batch (``n`` tokens in all), that times a factor learnt from real
     batched steps of the same shape (each row attends to its own context,
     and samples and runs its logits processors per position), or of the
-    nearest shape seen, or 1 until one is seen. ``smoothing`` is the weight :meth:`observe` gives a real step
-    once there are enough of them (0: nothing is learnt)."""
+    nearest shape seen, or 1 until one is seen. ``smoothing`` is the weight
+    :meth:`observe` gives a real step once there are enough of them (0:
+    nothing is learnt)."""
 
     def __init__(self, points: Dict[int, float], smoothing: float = 0.1):
         if not points or 1 not in points:
@@ -350,8 +351,7 @@ def best_batch_lengths(
         probs = [given_first(p) for p in probs]
         sunk_tokens, sunk_cost = B, cost(B)
     k_max = max((len(p) for p in probs), default=0)
-    plain_rate = B / cost(B)
-    best_k, best_rate = 0, plain_rate * (BATCH_MARGIN if B > 1 else 1.0)
+    best_k, best_rate = 0, B / cost(B) * (BATCH_MARGIN if B > 1 else 1.0)
     for k in range(1, k_max + 1):
         gain = sunk_tokens + B + sum(expected_accepted(p, k) for p in probs)
         rate = gain / (sunk_cost + cost(B * (k + 1), rows=B))
