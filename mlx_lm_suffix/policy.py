@@ -98,8 +98,8 @@ class VerifyCost:
         if not self.smoothing:
             return
         if rows > 1:
-            shape = self._shape(n, rows)
-            factor = self.batch_factors.setdefault(shape, [self._batch_factor(shape), 0])
+            # The first step of a shape sets its factor (weight 1).
+            factor = self.batch_factors.setdefault(self._shape(n, rows), [1.0, 0])
             factor[1] += 1
             weight = max(self.smoothing, 1.0 / factor[1])
             factor[0] += weight * (seconds / self(n) - factor[0])
@@ -346,12 +346,13 @@ def best_batch_lengths(
     B = len(probs)
     if B == 0:
         return []
+    plain = cost(B)
     sunk_tokens = sunk_cost = 0.0
     if pipelined:
         probs = [given_first(p) for p in probs]
-        sunk_tokens, sunk_cost = B, cost(B)
+        sunk_tokens, sunk_cost = B, plain
     k_max = max((len(p) for p in probs), default=0)
-    best_k, best_rate = 0, B / cost(B) * (BATCH_MARGIN if B > 1 else 1.0)
+    best_k, best_rate = 0, B / plain * (BATCH_MARGIN if B > 1 else 1.0)
     for k in range(1, k_max + 1):
         gain = sunk_tokens + B + sum(expected_accepted(p, k) for p in probs)
         rate = gain / (sunk_cost + cost(B * (k + 1), rows=B))
