@@ -19,6 +19,7 @@ from .drafting import (
     DEFAULT_MAX_CACHED_REQUESTS,
     DEFAULT_MAX_SPEC_FACTOR,
     DEFAULT_MAX_SPEC_OFFSET,
+    DEFAULT_MAX_TREE_DEPTH,
     DEFAULT_NUM_DRAFT_TOKENS,
 )
 
@@ -262,6 +263,7 @@ def parity_command(
 )
 @click.option("--blas", type=click.Choice(["auto", "openblas", "reference"]), default="auto", show_default=True)
 @click.option("--num-draft-tokens", default=DEFAULT_NUM_DRAFT_TOKENS, show_default=True, type=int)
+@click.option("--max-tree-depth", default=DEFAULT_MAX_TREE_DEPTH, show_default=True, type=int)
 @click.option(
     "--max-spec-factor",
     default=DEFAULT_MAX_SPEC_FACTOR,
@@ -293,6 +295,7 @@ def bench_command(
     scripted: Optional[bool],
     blas: str,
     num_draft_tokens: int,
+    max_tree_depth: int,
     max_spec_factor: float,
     suffix_policy: str,
     out_dir: str,
@@ -345,6 +348,7 @@ def bench_command(
             blas=blas,
             drafter_kwargs={
                 "num_draft_tokens": num_draft_tokens,
+                "max_tree_depth": max_tree_depth,
                 "max_spec_factor": max_spec_factor,
                 "policy": suffix_policy,
             },

@@ -23,8 +23,8 @@ from arctic_inference.suffix_decoding import SuffixDecodingCache
 
 from .policy import Calibration, VerifyCost, best_length, histogram
 
-DEFAULT_NUM_DRAFT_TOKENS = 32
-DEFAULT_MAX_TREE_DEPTH = 64
+DEFAULT_NUM_DRAFT_TOKENS = 64
+DEFAULT_MAX_TREE_DEPTH = 96
 DEFAULT_MAX_CACHED_REQUESTS = 10_000
 DEFAULT_MAX_CACHED_TOKENS = 4_000_000
 DEFAULT_MAX_SPEC_FACTOR = 2.0

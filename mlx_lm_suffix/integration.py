@@ -81,7 +81,7 @@ def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_MAX_TREE_DEPTH,
         help="Depth of the suffix trees (longest context matched; a draft is at "
-        f"most ~depth/2 tokens at factor 1). Default: {DEFAULT_MAX_TREE_DEPTH}",
+        f"most ~depth*f/(1+f) tokens at spec factor f). Default: {DEFAULT_MAX_TREE_DEPTH}",
     )
     group.add_argument(
         "--suffix-max-cached-requests",

@@ -194,7 +194,7 @@ def _parse(monkeypatch, *argv):
 def test_cli_flags(monkeypatch):
     ns = _parse(monkeypatch, "--model", "m", "--draft", "suffix")
     assert ns.draft == "suffix" and ns.draft_model is None
-    assert ns.num_draft_tokens == DEFAULT_NUM_DRAFT_TOKENS == 32
+    assert ns.num_draft_tokens == DEFAULT_NUM_DRAFT_TOKENS == 64
     assert ns.suffix_cache_scope == "global" and ns.suffix_cache_file is None
     ns = _parse(monkeypatch, "--model", "m", "--draft", "suffix", "--num-draft-tokens", "5")
     assert ns.num_draft_tokens == 5
