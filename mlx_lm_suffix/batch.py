@@ -251,6 +251,7 @@ class SuffixGenerationBatch(GenerationBatch):
                     drafted=drafted[i],
                     accepted=accepted[i],
                     draft=drafts[i] if drafts else None,
+                    req_id=req,
                 )
             else:
                 plain += 1
@@ -314,7 +315,7 @@ class SuffixGenerationBatch(GenerationBatch):
         if getattr(self.drafter, "policy", "fixed") == "adaptive" and cost is not None:
             scale = self.drafter.calibration.scale
             lengths = best_batch_lengths(
-                [scale(d.probs, d.match_len) for d in drafts], cost, pipelined=True
+                [scale(d.probs, d.match_len, d.last) for d in drafts], cost, pipelined=True
             )
             drafts = [d.truncate(n) for d, n in zip(drafts, lengths)]
         return [d if len(d) > 1 else Draft() for d in drafts]
@@ -354,7 +355,7 @@ class SuffixGenerationBatch(GenerationBatch):
         usage = self._usage[i]
         if usage is not None:
             usage.drafted += 1
-        self.drafter.record(drafted=1, accepted=0, steps=0, draft=draft)
+        self.drafter.record(drafted=1, accepted=0, steps=0, draft=draft, req_id=self._req[i])
 
     def _process_logits(
         self, logits: mx.array, pending: List[int], drafts: List[List[int]]

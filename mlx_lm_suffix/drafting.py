@@ -41,18 +41,21 @@ PROMPT_TAIL_TOKENS = 16
 
 @dataclass
 class Draft:
-    """Draft tokens, the suffix tree's probability estimate for each, and
-    how many context tokens the tree path it came from matched."""
+    """Draft tokens, the suffix tree's probability estimate for each, how
+    many context tokens the tree path it came from matched, and the outcome
+    of its request's previous verified draft (see
+    :data:`~mlx_lm_suffix.policy.Calibration.HISTORIES`)."""
 
     tokens: List[int] = field(default_factory=list)
     probs: List[float] = field(default_factory=list)
     match_len: int = 0
+    last: str = "new"
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def truncate(self, n: int) -> "Draft":
-        return Draft(self.tokens[:n], self.probs[:n], self.match_len)
+        return Draft(self.tokens[:n], self.probs[:n], self.match_len, self.last)
 
 
 @dataclass
@@ -84,6 +87,8 @@ class _Request:
     scope: Hashable
     context: List[int]
     response_len: int = 0
+    # Outcome of the request's last verified draft (Calibration.HISTORIES).
+    last: str = "new"
 
 
 def _positive_int(name: str, value: Any, allow_zero: bool = False) -> int:
@@ -285,7 +290,9 @@ class SuffixDrafter:
                 max_spec_offset=self.max_spec_offset,
                 min_token_prob=self.min_token_prob,
             )
-        return Draft(list(d.token_ids[:limit]), list(d.probs[:limit]), int(d.match_len))
+        return Draft(
+            list(d.token_ids[:limit]), list(d.probs[:limit]), int(d.match_len), req.last
+        )
 
     def draft(
         self, req_id: int, max_tokens: Optional[int] = None, pipelined: bool = False
@@ -301,7 +308,7 @@ class SuffixDrafter:
         see :func:`~mlx_lm_suffix.policy.best_length`)."""
         draft = self.propose(req_id, max_tokens)
         if self.policy == "adaptive" and self.cost is not None and draft.tokens:
-            probs = self.calibration.scale(draft.probs, draft.match_len)
+            probs = self.calibration.scale(draft.probs, draft.match_len, draft.last)
             draft = draft.truncate(best_length(probs, self.cost, pipelined=pipelined))
         if pipelined and len(draft) < 2:
             return Draft()
@@ -324,10 +331,13 @@ class SuffixDrafter:
         accepted: int = 0,
         steps: int = 1,
         draft: Optional[Draft] = None,
+        req_id: Optional[int] = None,
     ) -> None:
         """Count target forwards and the draft tokens they verified/accepted:
         the first ``drafted`` tokens of ``draft`` (whose estimates calibrate
-        the policy). (Committed tokens are counted by :meth:`commit`.)"""
+        the policy), drafted for request ``req_id`` (whose next drafts are
+        calibrated by this one's outcome). (Committed tokens are counted by
+        :meth:`commit`.)"""
         with self._lock:
             self.stats.steps += steps
             self.stats.drafted += drafted
@@ -338,7 +348,10 @@ class SuffixDrafter:
                 self.stats.expected += sum(probs)
                 self.stats.lengths[drafted] = self.stats.lengths.get(drafted, 0) + 1
                 if draft is not None:
-                    self.calibration.update(probs, accepted, draft.match_len)
+                    self.calibration.update(probs, accepted, draft.match_len, draft.last)
+                req = self._active.get(req_id)
+                if req is not None:
+                    req.last = Calibration.outcome(drafted, accepted)
 
     def _keep_response(self, req_id: int, scope: Hashable, response: List[int]) -> None:
         if req_id in self._caches[scope].cached_requests:

@@ -245,7 +245,7 @@ def suffix_generate_step(
                     first, first_lp = nxt
                     if first.item() != draft[0]:
                         # A plain step after all: the next one is pipelined.
-                        drafter.record(drafted=1, accepted=0, draft=proposal)
+                        drafter.record(drafted=1, accepted=0, draft=proposal, req_id=req)
                         pending, pending_is_plain = nxt, False
                         spec_mode = False
                         continue
@@ -266,7 +266,7 @@ def suffix_generate_step(
                 rollback(prompt_cache, k - a)
                 kept = inputs.size - (k - a)
                 extend_history(inputs[:kept])
-                drafter.record(drafted=k, accepted=a, draft=proposal)
+                drafter.record(drafted=k, accepted=a, draft=proposal, req_id=req)
                 last_in_cache = True
                 for i in range(a):
                     drafter.commit(req, [draft[i]])

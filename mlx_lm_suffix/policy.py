@@ -174,7 +174,9 @@ class Calibration:
     online from verified drafts: for a draft's first token per match length
     (how many context tokens the draft's tree path matched), and for the
     tokens after it, given that the first is right, per match length and
-    per band of their own estimate.
+    per band of their own estimate; both also per outcome of the request's
+    previous verified draft (``"new"``: none yet, ``"full"``: accepted in
+    full, ``"cut"``: rejected partway).
 
     The estimates are frequencies in the trees, and the request's own
     occurrence of the matched text counts too, so a continuation seen once
@@ -184,17 +186,23 @@ class Calibration:
     after the first token (the trees know a single continuation) and seldom
     right. Where repeats branch (tool-call JSON seen before with other
     arguments), the estimates fall along the draft faster than acceptance
-    does. Each cell keeps the ratio of accepted to expected tokens and
-    scales the estimates in it by that ratio, at most ``max_ratio`` times.
-    A cell starts from the ratio of its part (first or tail) over all cells,
-    worth ``prior_expected`` tokens, so a match length or band not verified
-    yet is trusted as much as the traffic has earned (that ratio in turn
-    starts from ``prior_ratio``); all forget slowly."""
+    does. And acceptance runs in streaks that the estimates do not see: a
+    request repeating an earlier answer keeps having its drafts accepted in
+    full, one writing new text keeps having them cut, and the first draft
+    of an answer matches only the end of the prompt. Each cell keeps the
+    ratio of accepted to expected tokens and scales the estimates in it by
+    that ratio, at most ``max_ratio`` times. A cell starts from the ratio of
+    its part (first or tail) over all cells, worth ``prior_expected``
+    tokens, so a cell not verified yet is trusted as much as the traffic has
+    earned (that ratio in turn starts from ``prior_ratio``); all forget
+    slowly."""
 
     #: Upper bounds of the match length buckets (the last is open).
     BUCKETS = (2, 4, 8, 16, 32)
     #: Upper bounds of the bands of a later token's estimate given the first.
     BANDS = (0.25, 0.5, 0.75)
+    #: Outcomes of a request's previous verified draft.
+    HISTORIES = ("new", "full", "cut")
 
     def __init__(
         self, prior_expected: float = 10.0, prior_ratio: float = 1.0, max_ratio: float = 2.5
@@ -215,6 +223,11 @@ class Calibration:
     def band(cls, q: float) -> int:
         return bisect.bisect_right(cls.BANDS, q)
 
+    @staticmethod
+    def outcome(drafted: int, accepted: int) -> str:
+        """The history a verified draft leaves for its request's next one."""
+        return "full" if accepted >= drafted else "cut"
+
     def _ratio(self, cell: tuple) -> float:
         part, prior = cell[0], self.prior_expected
         pooled = (self.accepted.get(part, 0.0) + prior * self.prior_ratio) / (
@@ -225,38 +238,46 @@ class Calibration:
         )
         return min(self.max_ratio, ratio)
 
-    def ratio(self, match_len: int, part: str = "tail", q: float = 1.0) -> float:
+    def ratio(
+        self, match_len: int, part: str = "tail", q: float = 1.0, last: str = "new"
+    ) -> float:
         """The scale of a ``part`` (``"first"`` or ``"tail"``) estimate at
-        ``match_len``; for the tail, of estimates ``q`` given the first."""
+        ``match_len`` after history ``last``; for the tail, of estimates
+        ``q`` given the first."""
         b = self.bucket(match_len)
-        return self._ratio(("first", b) if part == "first" else ("tail", b, self.band(q)))
+        if part == "first":
+            return self._ratio(("first", b, last))
+        return self._ratio(("tail", b, last, self.band(q)))
 
-    def scale(self, probs: Sequence[float], match_len: int) -> List[float]:
+    def scale(self, probs: Sequence[float], match_len: int, last: str = "new") -> List[float]:
         """The (cumulative) estimates as probabilities for the policy: the
         first token's scaled by its cell's ratio, each later one's given the
         first (``probs[i] / probs[0]``) by its own cell's, each at most 1
-        and at most the one before."""
+        and at most the one before. ``last``: the history of the request
+        (see :data:`HISTORIES`)."""
         if not probs or probs[0] <= 0:
             return [0.0] * len(probs)
         b = self.bucket(match_len)
-        first = min(1.0, self._ratio(("first", b)) * probs[0])
-        tail = [self._ratio(("tail", b, i)) for i in range(len(self.BANDS) + 1)]
+        first = min(1.0, self._ratio(("first", b, last)) * probs[0])
+        tail = [self._ratio(("tail", b, last, i)) for i in range(len(self.BANDS) + 1)]
         out, cond = [first], 1.0
         for q in given_first(probs):
             cond = min(cond, tail[self.band(q)] * q)
             out.append(first * cond)
         return out
 
-    def update(self, probs: Sequence[float], accepted: int, match_len: int) -> None:
-        """Learn from a verified draft: its tokens' (unscaled) estimates and
-        how many of them verification accepted."""
+    def update(
+        self, probs: Sequence[float], accepted: int, match_len: int, last: str = "new"
+    ) -> None:
+        """Learn from a verified draft: its tokens' (unscaled) estimates, how
+        many of them verification accepted, and its request's history."""
         if not probs:
             return
         b = self.bucket(match_len)
-        self._add(("first", b), probs[0], min(accepted, 1))
+        self._add(("first", b, last), probs[0], min(accepted, 1))
         if accepted:
             for i, q in enumerate(given_first(probs), 1):
-                self._add(("tail", b, self.band(q)), q, int(accepted > i))
+                self._add(("tail", b, last, self.band(q)), q, int(accepted > i))
 
     def _add(self, cell: tuple, expected: float, accepted: float) -> None:
         for key in (cell, cell[0]):
@@ -267,17 +288,24 @@ class Calibration:
             self.expected[key], self.accepted[key] = e, a
 
     def ratios(self) -> Dict[str, Dict[str, Any]]:
-        """The scales for stats: ``first`` per match length bucket, ``tail``
-        per bucket and band of the estimate given the first."""
+        """The scales for stats: ``first`` per history and match length
+        bucket, ``tail`` per history, bucket and band of the estimate given
+        the first."""
         lows = (1,) + tuple(b + 1 for b in self.BUCKETS)
         names = [f"{lo}-{hi}" for lo, hi in zip(lows, self.BUCKETS)] + [f"{lows[-1]}+"]
         bands = (0.0,) + self.BANDS
         band_names = [f"{lo:g}-{hi:g}" for lo, hi in zip(bands, self.BANDS + (1,))]
         return {
-            "first": {n: self.ratio(lo, "first") for n, lo in zip(names, lows)},
+            "first": {
+                h: {n: self.ratio(lo, "first", last=h) for n, lo in zip(names, lows)}
+                for h in self.HISTORIES
+            },
             "tail": {
-                n: {b: self.ratio(lo, "tail", q) for b, q in zip(band_names, bands)}
-                for n, lo in zip(names, lows)
+                h: {
+                    n: {b: self.ratio(lo, "tail", q, h) for b, q in zip(band_names, bands)}
+                    for n, lo in zip(names, lows)
+                }
+                for h in self.HISTORIES
             },
         }
 

@@ -244,7 +244,7 @@ def replay(
         t0 = time.perf_counter()
         drafter.commit(req, response[pos : pos + a + 1])
         seconds += time.perf_counter() - t0
-        drafter.record(drafted=len(draft), accepted=a, draft=draft)
+        drafter.record(drafted=len(draft), accepted=a, draft=draft, req_id=req)
         total_cost += cost(len(draft))
         pos += a + 1
     drafter.finish(req)

@@ -143,10 +143,13 @@ def test_probability_scale_shortens_drafts():
     assert c.scale([0.5] * 3, 2) == pytest.approx([first / 2, first / 2 * tail, first / 2 * tail])
     assert best_length([0.5] * 8, MID, pipelined=True) == 8
     assert best_length(c.scale([0.5] * 8, 2), MID, pipelined=True) == 0
-    assert list(c.ratios()["first"]) == list(c.ratios()["tail"]) == [
+    ratios = c.ratios()
+    assert list(ratios["first"]) == list(ratios["tail"]) == ["new", "full", "cut"]
+    assert list(ratios["first"]["full"]) == list(ratios["tail"]["cut"]) == [
         "1-2", "3-4", "5-8", "9-16", "17-32", "33+"
     ]
-    assert list(c.ratios()["tail"]["33+"]) == ["0-0.25", "0.25-0.5", "0.5-0.75", "0.75-1"]
+    assert list(ratios["tail"]["new"]["33+"]) == ["0-0.25", "0.25-0.5", "0.5-0.75", "0.75-1"]
+    assert ratios["first"]["new"]["1-2"] == pytest.approx(first)
 
     # Repeats the trees rate 0.5 (their own occurrence counts) are accepted in
     # full: their first token is trusted more, up to the cap, and then they pay.
@@ -183,7 +186,47 @@ def test_probability_scale_shortens_drafts():
     m.update([], accepted=0, match_len=3)
     m.update([0.9], accepted=0, match_len=3)
     assert m.ratio(3, "first") == pytest.approx(_shrunk(0, 0.9, 0, 0.9))
-    assert m.ratio(3, "tail") == 1.0 and m.expected == {("first", 1): 0.9, "first": 0.9}
+    assert m.ratio(3, "tail") == 1.0 and m.expected == {("first", 1, "new"): 0.9, "first": 0.9}
+
+
+def test_acceptance_streaks_are_learnt_per_history():
+    # The same estimates, accepted in full after a draft accepted in full
+    # (a request repeating an earlier answer) and never after a cut one.
+    c = Calibration()
+    for _ in range(50):
+        c.update([0.5] * 4, accepted=4, match_len=20, last="full")
+        c.update([0.5] * 4, accepted=0, match_len=20, last="cut")
+    assert c.ratio(20, "first", last="full") == pytest.approx(_shrunk(50, 25, 50, 50))
+    assert c.ratio(20, "first", last="cut") == pytest.approx(_shrunk(0, 25, 50, 50))
+    assert c.ratio(20, "first", last="new") == pytest.approx(_shrunk(0, 0, 50, 50))
+    assert best_length(c.scale([0.5] * 8, 20, "full"), MID) == 8
+    assert best_length(c.scale([0.5] * 8, 20, "cut"), MID) == 0
+    assert Calibration.outcome(4, 4) == "full" and Calibration.outcome(4, 3) == "cut"
+
+
+def test_drafts_carry_their_requests_history():
+    d = SuffixDrafter(cost=FLAT)
+    q = d.start(list(range(10, 40)) * 2)
+    d.commit(q, [10, 11, 12])
+    first = d.draft(q, 4)
+    assert len(first) == 4 and first.last == "new" and first.truncate(2).last == "new"
+    d.record(drafted=4, accepted=4, draft=first, req_id=q)
+    assert d.propose(q).last == "full"
+    # A record without the request (a plain step, another caller) leaves it.
+    d.record(drafted=2, accepted=0, draft=first)
+    assert d.propose(q).last == "full"
+    second = d.propose(q, 4)
+    d.record(drafted=4, accepted=1, draft=second, req_id=q)
+    assert d.propose(q).last == "cut"
+    # Each draft calibrates the cells of the history it was drafted after.
+    bucket = d.calibration.bucket(second.match_len)
+    assert d.calibration.accepted[("first", bucket, "full")] == 1
+    assert d.calibration.accepted[("tail", bucket, "full", 3)] == 0
+    other = d.start([1, 2, 3])
+    assert d.propose(other).last == "new"
+    d.finish(q)
+    d.record(drafted=1, accepted=1, draft=first, req_id=q)  # finished: ignored
+    assert d.active_requests == 1
 
 
 def test_pipelined_drafts_pay_only_for_their_tail():
