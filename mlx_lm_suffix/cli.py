@@ -55,8 +55,8 @@ def main() -> None:
     help="Model folder or Hugging Face id whose tokenizer encodes text records "
     "(only the tokenizer is loaded). Default: the tiny model's BPE tokenizer.",
 )
-@click.option("--num-draft-tokens", default="8,16,32", callback=_list_of(int), show_default=True)
-@click.option("--max-tree-depth", default="24,64", callback=_list_of(int), show_default=True)
+@click.option("--num-draft-tokens", default="16,32,64", callback=_list_of(int), show_default=True)
+@click.option("--max-tree-depth", default="64,96", callback=_list_of(int), show_default=True)
 @click.option("--max-spec-factor", default="1,2", callback=_list_of(float), show_default=True)
 @click.option(
     "--max-spec-offset",
@@ -70,6 +70,13 @@ def main() -> None:
     default=str(DEFAULT_MAX_CACHED_REQUESTS),
     callback=_list_of(int),
     show_default=True,
+)
+@click.option(
+    "--policy",
+    default="adaptive",
+    callback=_list_of(str),
+    show_default=True,
+    help="Draft-length policies to replay (adaptive, fixed), as --suffix-policy.",
 )
 @click.option(
     "--cost-file",
@@ -95,6 +102,7 @@ def simulate_command(
     max_spec_offset: List[float],
     min_token_prob: List[float],
     max_cached_requests: List[int],
+    policy: List[str],
     cost_file: Optional[str],
     warm: bool,
     json_out: Optional[str],
@@ -110,6 +118,7 @@ def simulate_command(
         "max_spec_offset": max_spec_offset,
         "min_token_prob": min_token_prob,
         "max_cached_requests": max_cached_requests,
+        "policy": policy,
     }
     try:
         cost = sim.load_cost_file(cost_file) if cost_file else None

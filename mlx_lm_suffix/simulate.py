@@ -15,7 +15,11 @@ The replay follows :func:`mlx_lm_suffix.generation.suffix_generate_step`:
   prefix equal to the response, and commits it plus one corrected token;
 - a *step* is one target forward over the last token plus the draft. The real
   loop's pipelining when it switches from plain decoding to drafting is not
-  modelled.
+  modelled;
+- with ``policy="adaptive"`` (the default, as in the server) each draft is cut
+  by the cost-aware policy of :mod:`mlx_lm_suffix.policy`, which learns its
+  calibration from the replayed steps and weighs them with the cost curve
+  given (measured or assumed); ``"fixed"`` drafts as long as the limits let.
 
 Each finished request stays in the drafter's global cache, so later records
 draft from earlier responses (one cache per ``"user"`` when records have one,
@@ -55,6 +59,7 @@ from typing import (
 )
 
 from .drafting import Draft, SuffixDrafter
+from .policy import VerifyCost
 from .verification import accepted_length
 
 #: Knobs a grid may vary, in table order. Missing ones take SuffixDrafter's defaults.
@@ -65,6 +70,7 @@ KNOBS = (
     "max_spec_offset",
     "min_token_prob",
     "max_cached_requests",
+    "policy",
 )
 
 #: ``mlx_lm.server`` flag of each knob.
@@ -75,6 +81,7 @@ SERVER_FLAGS = {
     "max_spec_offset": "--suffix-max-spec-offset",
     "min_token_prob": "--suffix-min-token-prob",
     "max_cached_requests": "--suffix-max-cached-requests",
+    "policy": "--suffix-policy",
 }
 
 #: Assumed extra cost of each draft token in a verification forward, relative
@@ -99,6 +106,12 @@ def default_cost(k: int) -> float:
     """Cost of a forward verifying ``k`` draft tokens, relative to a plain
     decode step: ``1 + DEFAULT_COST_PER_DRAFT_TOKEN * k`` (an assumption)."""
     return 1.0 + DEFAULT_COST_PER_DRAFT_TOKEN * k
+
+
+def policy_cost(cost: CostFn) -> VerifyCost:
+    """The adaptive policy's cost curve for a :data:`CostFn`: its values at
+    forwards of 1, 2, 4, ..., 512 tokens, fixed (nothing learnt online)."""
+    return VerifyCost({n: cost(n - 1) for n in (1 << i for i in range(10))}, smoothing=0)
 
 
 def cost_from_times(times: Mapping[Any, float]) -> CostFn:
@@ -284,7 +297,7 @@ def simulate(
     recs = tokenize_records(records, tokenizer)
     results = []
     for point in expand_grid(grid):
-        drafter = SuffixDrafter(**point)
+        drafter = SuffixDrafter(**point, cost=policy_cost(cost))
         if warm:
             drafter.add_responses((r.user, r.response) for r in recs)
         total_cost = 0.0
@@ -348,6 +361,7 @@ _COLUMNS = (
     ("max_spec_factor", "factor", "{:g}"),
     ("max_spec_offset", "offset", "{:g}"),
     ("min_token_prob", "min_p", "{:g}"),
+    ("policy", "policy", "{}"),
     ("acceptance_rate", "accept", "{:.1%}"),
     ("accepted_per_step", "acc/step", "{:.2f}"),
     ("tokens_per_step", "tok/step", "{:.2f}"),

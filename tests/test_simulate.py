@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from mlx_lm_suffix.cli import main
-from mlx_lm_suffix.drafting import SuffixDrafter
+from mlx_lm_suffix.drafting import DEFAULT_MAX_TREE_DEPTH, SuffixDrafter
 from mlx_lm_suffix.simulate import (
     Record,
     cost_from_times,
@@ -28,7 +28,7 @@ CORPUS = [
     Record(list(range(30, 40)), RESPONSE),  # repeats the first response
     Record([1, 2], [500, 501, 502]),  # shares nothing with anything
 ]
-KNOBS = {"num_draft_tokens": 8, "max_spec_factor": 1.0, "max_spec_offset": 0.0}
+KNOBS = {"num_draft_tokens": 8, "max_spec_factor": 1.0, "max_spec_offset": 0.0, "policy": "fixed"}
 
 
 def test_replay_hand_counted():
@@ -66,7 +66,8 @@ def test_simulate_totals():
     assert res["tokens_per_step"] == pytest.approx(23 / 17)
     assert res["est_speedup"] == pytest.approx(23 / (17 + 0.04 * 6))
     assert res["draft_us_per_token"] > 0
-    assert res["num_draft_tokens"] == 8 and res["max_tree_depth"] == 64
+    assert res["num_draft_tokens"] == 8 and res["max_tree_depth"] == DEFAULT_MAX_TREE_DEPTH
+    assert res["policy"] == "fixed"
 
 
 def test_unrelated_response_drafts_nothing():
@@ -130,17 +131,34 @@ def test_costs():
     assert res["est_speedup"] == pytest.approx(res["tokens_per_step"])
 
 
+def test_adaptive_policy_is_replayed():
+    """By default the replay cuts drafts as the server would: prompts whose
+    repeats predict the wrong continuation stop being drafted from once the
+    policy has learnt so (where verification is dear), while repeated
+    responses are drafted as at fixed length."""
+    wrong = [Record([5, 6, 7, 8] * 4, [5, 1000 + 3 * k, 1001 + 3 * k]) for k in range(20)]
+    dear = cost_from_times({1: 1.0, 2: 1.5, 4: 2.5, 8: 4.5, 16: 8.5})
+    fixed, adaptive = simulate(wrong, [KNOBS, {**KNOBS, "policy": "adaptive"}], cost=dear)
+    assert fixed["drafted"] == 20 and fixed["accepted"] == adaptive["accepted"] == 0
+    assert 0 < adaptive["drafted"] < 10 and adaptive["policy"] == "adaptive"
+    assert adaptive["est_speedup"] > fixed["est_speedup"]
+    (res,) = simulate(CORPUS, {k: v for k, v in KNOBS.items() if k != "policy"})
+    assert res["policy"] == "adaptive" and res["drafted"] == res["accepted"] == 6
+
+
 def test_recommend_and_server_command():
-    results = simulate(CORPUS, {"num_draft_tokens": [16, 2, 8], "max_spec_factor": 1.0})
+    results = simulate(
+        CORPUS, {"num_draft_tokens": [16, 2, 8], "max_spec_factor": 1.0, "policy": "fixed"}
+    )
     best = recommend(results)
     assert best["est_speedup"] == max(r["est_speedup"] for r in results)
     # 8 and 16 tie on this corpus: the smaller draft wins.
     assert best["num_draft_tokens"] == 8
     assert server_command(best, "my model") == (
         "mlx_lm.server --model 'my model' --draft suffix --num-draft-tokens 8 "
-        "--suffix-max-tree-depth 64 --suffix-max-spec-factor 1 "
+        f"--suffix-max-tree-depth {DEFAULT_MAX_TREE_DEPTH} --suffix-max-spec-factor 1 "
         "--suffix-max-spec-offset 0 --suffix-min-token-prob 0.1 "
-        "--suffix-max-cached-requests 10000"
+        "--suffix-max-cached-requests 10000 --suffix-policy fixed"
     )
     with pytest.raises(ValueError):
         recommend([])
@@ -181,6 +199,8 @@ def test_cli_simulate(tmp_path):
             "4,8",
             "--min-token-prob",
             "0.1",
+            "--policy",
+            "adaptive,fixed",
             "--cost-file",
             str(costs),
             "--json",
@@ -193,7 +213,8 @@ def test_cli_simulate(tmp_path):
     assert "Recommended" in result.output
     assert "mlx_lm.server --draft suffix --num-draft-tokens " in result.output
     data = json.loads(out.read_text())
-    assert len(data["results"]) == 2 * 2 * 2  # draft x depth x factor
+    assert len(data["results"]) == 2 * 2 * 2 * 2  # draft x depth x factor x policy
+    assert {r["policy"] for r in data["results"]} == {"adaptive", "fixed"}
     assert data["recommended"] == recommend(data["results"])
     assert data["command"] in result.output
 
@@ -206,3 +227,6 @@ def test_cli_simulate_bad_log(tmp_path):
     assert "needs 'prompt' and 'response'" in result.output
     with pytest.raises(ValueError, match="log.jsonl:1"):
         read_records(log)
+    _write_log(log, [r._asdict() for r in CORPUS])
+    result = CliRunner().invoke(main, ["simulate", str(log), "--policy", "greedy"])
+    assert result.exit_code != 0 and "policy must be one of" in result.output
