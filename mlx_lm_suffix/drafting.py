@@ -36,7 +36,10 @@ CACHE_FILE_VERSION = 1
 # A cached response keeps this many prompt tokens before it, so that a later
 # request whose prompt ends the same way drafts the response from its first
 # token (a repeated request, the same tool call after the same template).
-PROMPT_TAIL_TOKENS = 16
+# More than a chat template's tail: a repeated request then matches much
+# longer than requests that share only the template, and the policy learns
+# the two apart (Calibration's match length buckets).
+PROMPT_TAIL_TOKENS = 64
 
 
 @dataclass
@@ -124,7 +127,8 @@ class SuffixDrafter:
             long, with ``f = max_spec_factor``.
         max_cached_requests: Responses kept in the global cache (oldest
             evicted first). ``0`` disables the global cache.
-        max_cached_tokens: Total tokens of cached responses kept.
+        max_cached_tokens: Total tokens of cached responses kept (each with
+            the prompt tokens kept before it).
         max_spec_factor, max_spec_offset: A draft is at most
             ``match_length * max_spec_factor + max_spec_offset`` tokens.
         min_token_prob: Stop a draft at the first token whose estimated

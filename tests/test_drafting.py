@@ -30,6 +30,27 @@ def test_drafts_from_prompt_and_from_earlier_response():
     assert d.active_requests == 0 and d.cached_requests == 3
 
 
+def test_a_repeat_matches_longer_than_a_shared_template():
+    """A cached response keeps enough of its prompt's tail that a repeated
+    request's first draft matches well past a 24-token chat template, while
+    another question after the same template matches the template alone: the
+    policy calibrates the two in different match length buckets."""
+    d = SuffixDrafter()
+    template = list(range(900, 924))
+    answer = list(range(500, 540))
+    q = d.start(list(range(100, 160)) + template)
+    d.commit(q, answer)
+    d.finish(q)
+    repeat = d.start(list(range(100, 160)) + template)
+    other = d.start(list(range(200, 260)) + template)
+    for r in (repeat, other):
+        d.commit(r, answer[:1])
+    rd, od = d.propose(repeat), d.propose(other)
+    assert rd.tokens[:8] == od.tokens[:8] == answer[1:9]
+    assert od.match_len <= len(template) + 1 < 33 <= rd.match_len
+    assert d.calibration.bucket(rd.match_len) > d.calibration.bucket(od.match_len)
+
+
 def test_scopes_are_isolated():
     d = SuffixDrafter()
     r = d.start([1], scope="alice")

@@ -385,7 +385,7 @@ def test_soak_small(tmp_path):
     from mlx_lm_suffix.soak import run_soak
 
     result = run_soak(requests=40, distinct_prompts=10, max_tokens=24,
-                      max_cached_requests=8, max_cached_tokens=400,
+                      max_cached_requests=8, max_cached_tokens=1000,
                       rss_interval=0.5, log_dir=str(tmp_path), seed=1,
                       json_out=str(tmp_path / "soak.json"), echo=lambda s: None)
     assert result["mismatches"] == [] and result["errors"] == 0, result
@@ -393,6 +393,6 @@ def test_soak_small(tmp_path):
     assert result["active_requests_end"] == 0
     assert result["bound_violations"] == []
     assert result["max_seen"]["cached_requests"] == 8  # the bound was reached
-    assert result["max_seen"]["cached_tokens"] <= 400
+    assert result["max_seen"]["cached_tokens"] <= 1000
     assert result["accepted"] > 0
     assert json.loads((tmp_path / "soak.json").read_text())["ok"] is True
