@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64)
+CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: How much faster than plain steps a batch's verification must expect to
 #: commit tokens (see :func:`best_batch_lengths`).
 BATCH_MARGIN = 1.2
@@ -33,7 +33,7 @@ class VerifyCost:
     a batch (``n`` tokens in all), that times a factor learnt from real
     batched steps of the same shape (each row attends to its own context,
     and samples and runs its logits processors per position), or of the
-    nearest shape seen, or 1 until one is seen. ``smoothing`` is the weight
+    same widths with other rows, or 1 until one is seen. ``smoothing`` is the weight
     :meth:`observe` gives a real step once there are enough of them (0:
     nothing is learnt)."""
 
@@ -75,15 +75,17 @@ class VerifyCost:
         return pts[lo] + (pts[hi] - pts[lo]) * (n - lo) / (hi - lo)
 
     def _batch_factor(self, shape: Tuple[int, int]) -> float:
-        """The factor of ``shape``, or, not seen yet, of the nearest shape
-        seen (widths first), or 1."""
+        """The factor of ``shape``, or, not seen yet, of the seen shape of
+        the same widths with the nearest number of rows, or 1 (the curve):
+        the factor is per-row work at each position, which weighs less the
+        wider the rows, so other widths' factors do not carry over."""
         if shape in self.batch_factors:
             return self.batch_factors[shape][0]
-        if not self.batch_factors:
-            return 1.0
         rows, bucket = shape
-        near = min(self.batch_factors, key=lambda s: (abs(s[1] - bucket), abs(s[0] - rows)))
-        return self.batch_factors[near][0]
+        same = [s for s in self.batch_factors if s[1] == bucket]
+        if not same:
+            return 1.0
+        return self.batch_factors[min(same, key=lambda s: abs(s[0] - rows))][0]
 
     @staticmethod
     def _shape(n: int, rows: int) -> Tuple[int, int]:
@@ -142,7 +144,8 @@ class VerifyCost:
         """Time forwards of ``sizes`` tokens after a ``context``-token prefix
         on a scratch cache: the best of at least ``repeats`` runs each, more
         (up to 20) while a size has taken less than ``min_seconds``, so the
-        cheap forwards, the noisiest, get the most runs."""
+        cheap forwards, the noisiest, get the most runs; a forward slower than
+        ten times ``min_seconds`` gets one (its noise is small next to it)."""
         # Imported here: mlx_lm's import runs our patches, which import this.
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -165,6 +168,8 @@ class VerifyCost:
                 runs += 1
                 for c in cache:
                     c.trim(n)
+                if runs == 2 and took > 10 * min_seconds:
+                    break
             points[n] = best
         return cls(points)
 

@@ -70,13 +70,16 @@ def test_batched_steps_learn_their_own_factor():
     factor = (1.5 + 3.9 / c(24)) / 2
     assert c.batch_factors[(8, 2)] == [pytest.approx(factor), 2]
     assert c(16, rows=1) == 2.2
-    # A shape not seen yet takes the nearest one's factor (widths first).
-    assert c(16, rows=4) == pytest.approx(2.2 * factor)
-    assert c(64, rows=8) == pytest.approx(5.0 * factor)
+    # A shape not seen yet takes the factor of the same widths with the
+    # nearest number of rows; other widths' factors do not carry over.
+    assert c(12, rows=4) == pytest.approx(c(12) * factor)  # 4 rows x 3
+    assert c(4, rows=2) == pytest.approx(c(4) * factor)  # 2 rows x 2
+    assert c(64, rows=8) == 5.0  # 8 x 8: no shape of that width seen, the curve
     c.observe(64, 10.0, rows=8)  # 8 x 8, first seen: the mean starts there
     assert c.batch_factors[(8, 4)] == [pytest.approx(2.0), 1]
     assert c(80, rows=8) == pytest.approx(2 * c(80))
-    assert c(4, rows=2) == pytest.approx(c(4) * factor)  # 2 rows x 2: widths first
+    assert c(48, rows=4) == pytest.approx(2 * c(48))  # 4 x 12: the 8 x 8-15 factor
+    assert c(512, rows=8) == c(512)  # 8 x 64: wider than any seen
     assert c.batch_relative() == {"8x2-3": pytest.approx(factor), "8x8-15": pytest.approx(2.0)}
     # The policy's verification cost is the batch's: a width that paid on
     # the curve alone does not once the batch forward is seen to be dear.
