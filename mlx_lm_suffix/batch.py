@@ -315,7 +315,9 @@ class SuffixGenerationBatch(GenerationBatch):
         if getattr(self.drafter, "policy", "fixed") == "adaptive" and cost is not None:
             scale = self.drafter.calibration.scale
             lengths = best_batch_lengths(
-                [scale(d.probs, d.match_len, d.last) for d in drafts], cost, pipelined=True
+                [scale(d.probs, d.match_len, d.last, d.source) for d in drafts],
+                cost,
+                pipelined=True,
             )
             drafts = [d.truncate(n) for d, n in zip(drafts, lengths)]
         return [d if len(d) > 1 else Draft() for d in drafts]

@@ -21,6 +21,7 @@ from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tupl
 
 from arctic_inference.suffix_decoding import SuffixDecodingCache
 
+from .copying import PromptCopy
 from .policy import Calibration, VerifyCost, best_length, histogram
 
 DEFAULT_NUM_DRAFT_TOKENS = 64
@@ -40,25 +41,29 @@ CACHE_FILE_VERSION = 1
 # longer than requests that share only the template, and the policy learns
 # the two apart (Calibration's match length buckets).
 PROMPT_TAIL_TOKENS = 64
+# The estimate of a prompt copy's tokens that no tree draft vouches for: a
+# continuation seen once, as the trees rate one (its own occurrence counts).
+COPY_PROB = 0.5
 
 
 @dataclass
 class Draft:
-    """Draft tokens, the suffix tree's probability estimate for each, how
-    many context tokens the tree path it came from matched, and the outcome
-    of its request's previous verified draft (see
-    :data:`~mlx_lm_suffix.policy.Calibration.HISTORIES`)."""
+    """Draft tokens, the probability estimate for each, how many context
+    tokens its source matched, the outcome of its request's previous
+    verified draft, and its source (see
+    :data:`~mlx_lm_suffix.policy.Calibration.HISTORIES` and ``SOURCES``)."""
 
     tokens: List[int] = field(default_factory=list)
     probs: List[float] = field(default_factory=list)
     match_len: int = 0
     last: str = "new"
+    source: str = "tree"
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def truncate(self, n: int) -> "Draft":
-        return Draft(self.tokens[:n], self.probs[:n], self.match_len, self.last)
+        return Draft(self.tokens[:n], self.probs[:n], self.match_len, self.last, self.source)
 
 
 @dataclass
@@ -89,7 +94,7 @@ class DraftStats:
 class _Request:
     scope: Hashable
     context: List[int]
-    response_len: int = 0
+    copy: PromptCopy
     # Outcome of the request's last verified draft (Calibration.HISTORIES).
     last: str = "new"
 
@@ -245,6 +250,7 @@ class SuffixDrafter:
         """
         prompt = [int(t) for t in prompt]
         split = max(0, len(prompt) - PROMPT_TAIL_TOKENS)
+        copy = PromptCopy(prompt)
         with self._lock:
             req_id = next(self._ids)
             cache = self._cache(scope)
@@ -252,7 +258,7 @@ class SuffixDrafter:
             cache.start_request(req_id, prompt[:split])
             if split < len(prompt):
                 cache.add_active_response(req_id, prompt[split:])
-            self._active[req_id] = _Request(scope, prompt[-self.max_tree_depth :])
+            self._active[req_id] = _Request(scope, prompt[-self.max_tree_depth :], copy)
             self._responses[req_id] = prompt[split:]
             self.stats.requests += 1
             return req_id
@@ -267,6 +273,7 @@ class SuffixDrafter:
             self._caches[req.scope].add_active_response(req_id, tokens)
             self._responses[req_id].extend(tokens)
             req.context.extend(tokens)
+            req.copy.feed(tokens)
             self.stats.tokens += len(tokens)
             if len(req.context) > 2 * self.max_tree_depth:
                 del req.context[: -self.max_tree_depth]
@@ -278,9 +285,14 @@ class SuffixDrafter:
             self.cost = VerifyCost.calibrate(model)
 
     def propose(self, req_id: int, max_tokens: Optional[int] = None) -> Draft:
-        """The trees' draft of up to ``max_tokens`` (default
-        ``num_draft_tokens``) tokens after the request's committed tokens,
-        before any length policy."""
+        """The draft of up to ``max_tokens`` (default ``num_draft_tokens``)
+        tokens after the request's committed tokens, before any length
+        policy: the trees' draft, or the prompt's continuation where the
+        output is copying the prompt (:mod:`~mlx_lm_suffix.copying`) and that
+        is longer. A copy keeps the trees' estimates as far as it agrees with
+        their draft and the last of them after it (:data:`COPY_PROB` where
+        it agrees with none); its match length is the copy's run, or the
+        trees' match where the copy extends their whole draft."""
         limit = self.num_draft_tokens if max_tokens is None else max_tokens
         if limit <= 0:
             return Draft()
@@ -294,9 +306,18 @@ class SuffixDrafter:
                 max_spec_offset=self.max_spec_offset,
                 min_token_prob=self.min_token_prob,
             )
-        return Draft(
+            copy = req.copy.propose(limit)
+        draft = Draft(
             list(d.token_ids[:limit]), list(d.probs[:limit]), int(d.match_len), req.last
         )
+        if len(copy) <= len(draft):
+            return draft
+        n = 0
+        while n < len(draft) and copy[n] == draft.tokens[n]:
+            n += 1
+        p = draft.probs[n - 1] if n else COPY_PROB
+        match = max(draft.match_len, req.copy.run) if n == len(draft) else req.copy.run
+        return Draft(copy, draft.probs[:n] + [p] * (len(copy) - n), match, req.last, "copy")
 
     def draft(
         self, req_id: int, max_tokens: Optional[int] = None, pipelined: bool = False
@@ -312,7 +333,9 @@ class SuffixDrafter:
         see :func:`~mlx_lm_suffix.policy.best_length`)."""
         draft = self.propose(req_id, max_tokens)
         if self.policy == "adaptive" and self.cost is not None and draft.tokens:
-            probs = self.calibration.scale(draft.probs, draft.match_len, draft.last)
+            probs = self.calibration.scale(
+                draft.probs, draft.match_len, draft.last, draft.source
+            )
             draft = draft.truncate(best_length(probs, self.cost, pipelined=pipelined))
         if pipelined and len(draft) < 2:
             return Draft()
@@ -352,7 +375,9 @@ class SuffixDrafter:
                 self.stats.expected += sum(probs)
                 self.stats.lengths[drafted] = self.stats.lengths.get(drafted, 0) + 1
                 if draft is not None:
-                    self.calibration.update(probs, accepted, draft.match_len, draft.last)
+                    self.calibration.update(
+                        probs, accepted, draft.match_len, draft.last, draft.source
+                    )
                 req = self._active.get(req_id)
                 if req is not None:
                     req.last = Calibration.outcome(drafted, accepted)

@@ -175,13 +175,16 @@ class VerifyCost:
 
 
 class Calibration:
-    """How far to trust the suffix trees' probability estimates, learnt
-    online from verified drafts: for a draft's first token per match length
-    (how many context tokens the draft's tree path matched), and for the
-    tokens after it, given that the first is right, per match length and
-    per band of their own estimate; both also per outcome of the request's
-    previous verified draft (``"new"``: none yet, ``"full"``: accepted in
-    full, ``"cut"``: rejected partway).
+    """How far to trust the drafts' probability estimates, learnt online
+    from verified drafts: for a draft's first token per match length (how
+    many context tokens the draft's tree path, or its prompt copy, matched),
+    and for the tokens after it, given that the first is right, per match
+    length and per band of their own estimate; both also per outcome of the
+    request's previous verified draft (``"new"``: none yet, ``"full"``:
+    accepted in full, ``"cut"``: rejected partway) and per source of the
+    draft (``"tree"``: the suffix trees; ``"copy"``: a copy of the prompt
+    longer than the trees' draft, see :mod:`~mlx_lm_suffix.copying`, whose
+    estimates past the trees' are a guess).
 
     The estimates are frequencies in the trees, and the request's own
     occurrence of the matched text counts too, so a continuation seen once
@@ -197,8 +200,8 @@ class Calibration:
     of an answer matches only the end of the prompt. Each cell keeps the
     ratio of accepted to expected tokens and scales the estimates in it by
     that ratio, at most ``max_ratio`` times. A cell starts from the ratio of
-    its part (first or tail) over all cells, worth ``prior_expected``
-    tokens, so a cell not verified yet is trusted as much as the traffic has
+    its part (first or tail) over all cells of its source, worth
+    ``prior_expected`` tokens, so a cell not verified yet is trusted as much as the traffic has
     earned (that ratio in turn starts from ``prior_ratio``); all forget
     slowly."""
 
@@ -208,6 +211,8 @@ class Calibration:
     BANDS = (0.25, 0.5, 0.75)
     #: Outcomes of a request's previous verified draft.
     HISTORIES = ("new", "full", "cut")
+    #: Where a draft came from.
+    SOURCES = ("tree", "copy")
 
     def __init__(
         self, prior_expected: float = 10.0, prior_ratio: float = 1.0, max_ratio: float = 2.5
@@ -234,7 +239,7 @@ class Calibration:
         return "full" if accepted >= drafted else "cut"
 
     def _ratio(self, cell: tuple) -> float:
-        part, prior = cell[0], self.prior_expected
+        part, prior = cell[:2], self.prior_expected
         pooled = (self.accepted.get(part, 0.0) + prior * self.prior_ratio) / (
             self.expected.get(part, 0.0) + prior
         )
@@ -244,27 +249,36 @@ class Calibration:
         return min(self.max_ratio, ratio)
 
     def ratio(
-        self, match_len: int, part: str = "tail", q: float = 1.0, last: str = "new"
+        self,
+        match_len: int,
+        part: str = "tail",
+        q: float = 1.0,
+        last: str = "new",
+        source: str = "tree",
     ) -> float:
         """The scale of a ``part`` (``"first"`` or ``"tail"``) estimate at
-        ``match_len`` after history ``last``; for the tail, of estimates
-        ``q`` given the first."""
+        ``match_len`` after history ``last`` for drafts from ``source``; for
+        the tail, of estimates ``q`` given the first."""
         b = self.bucket(match_len)
         if part == "first":
-            return self._ratio(("first", b, last))
-        return self._ratio(("tail", b, last, self.band(q)))
+            return self._ratio(("first", source, b, last))
+        return self._ratio(("tail", source, b, last, self.band(q)))
 
-    def scale(self, probs: Sequence[float], match_len: int, last: str = "new") -> List[float]:
+    def scale(
+        self, probs: Sequence[float], match_len: int, last: str = "new", source: str = "tree"
+    ) -> List[float]:
         """The (cumulative) estimates as probabilities for the policy: the
         first token's scaled by its cell's ratio, each later one's given the
         first (``probs[i] / probs[0]``) by its own cell's, each at most 1
         and at most the one before. ``last``: the history of the request
-        (see :data:`HISTORIES`)."""
+        (see :data:`HISTORIES`); ``source``: the draft's (:data:`SOURCES`)."""
         if not probs or probs[0] <= 0:
             return [0.0] * len(probs)
         b = self.bucket(match_len)
-        first = min(1.0, self._ratio(("first", b, last)) * probs[0])
-        tail = [self._ratio(("tail", b, last, i)) for i in range(len(self.BANDS) + 1)]
+        first = min(1.0, self._ratio(("first", source, b, last)) * probs[0])
+        tail = [
+            self._ratio(("tail", source, b, last, i)) for i in range(len(self.BANDS) + 1)
+        ]
         out, cond = [first], 1.0
         for q in given_first(probs):
             cond = min(cond, tail[self.band(q)] * q)
@@ -272,20 +286,26 @@ class Calibration:
         return out
 
     def update(
-        self, probs: Sequence[float], accepted: int, match_len: int, last: str = "new"
+        self,
+        probs: Sequence[float],
+        accepted: int,
+        match_len: int,
+        last: str = "new",
+        source: str = "tree",
     ) -> None:
         """Learn from a verified draft: its tokens' (unscaled) estimates, how
-        many of them verification accepted, and its request's history."""
+        many of them verification accepted, its request's history and its
+        source."""
         if not probs:
             return
         b = self.bucket(match_len)
-        self._add(("first", b, last), probs[0], min(accepted, 1))
+        self._add(("first", source, b, last), probs[0], min(accepted, 1))
         if accepted:
             for i, q in enumerate(given_first(probs), 1):
-                self._add(("tail", b, last, self.band(q)), q, int(accepted > i))
+                self._add(("tail", source, b, last, self.band(q)), q, int(accepted > i))
 
     def _add(self, cell: tuple, expected: float, accepted: float) -> None:
-        for key in (cell, cell[0]):
+        for key in (cell, cell[:2]):
             e = self.expected.get(key, 0.0) + expected
             a = self.accepted.get(key, 0.0) + accepted
             if e > 500:  # keep adapting: forget old steps
@@ -293,25 +313,31 @@ class Calibration:
             self.expected[key], self.accepted[key] = e, a
 
     def ratios(self) -> Dict[str, Dict[str, Any]]:
-        """The scales for stats: ``first`` per history and match length
-        bucket, ``tail`` per history, bucket and band of the estimate given
-        the first."""
+        """The scales for stats, per source: ``first`` per history and match
+        length bucket, ``tail`` per history, bucket and band of the estimate
+        given the first."""
         lows = (1,) + tuple(b + 1 for b in self.BUCKETS)
         names = [f"{lo}-{hi}" for lo, hi in zip(lows, self.BUCKETS)] + [f"{lows[-1]}+"]
         bands = (0.0,) + self.BANDS
         band_names = [f"{lo:g}-{hi:g}" for lo, hi in zip(bands, self.BANDS + (1,))]
         return {
-            "first": {
-                h: {n: self.ratio(lo, "first", last=h) for n, lo in zip(names, lows)}
-                for h in self.HISTORIES
-            },
-            "tail": {
-                h: {
-                    n: {b: self.ratio(lo, "tail", q, h) for b, q in zip(band_names, bands)}
-                    for n, lo in zip(names, lows)
-                }
-                for h in self.HISTORIES
-            },
+            s: {
+                "first": {
+                    h: {n: self.ratio(lo, "first", last=h, source=s) for n, lo in zip(names, lows)}
+                    for h in self.HISTORIES
+                },
+                "tail": {
+                    h: {
+                        n: {
+                            b: self.ratio(lo, "tail", q, h, s)
+                            for b, q in zip(band_names, bands)
+                        }
+                        for n, lo in zip(names, lows)
+                    }
+                    for h in self.HISTORIES
+                },
+            }
+            for s in self.SOURCES
         }
 
 

@@ -146,7 +146,8 @@ def test_probability_scale_shortens_drafts():
     assert c.scale([0.5] * 3, 2) == pytest.approx([first / 2, first / 2 * tail, first / 2 * tail])
     assert best_length([0.5] * 8, MID, pipelined=True) == 8
     assert best_length(c.scale([0.5] * 8, 2), MID, pipelined=True) == 0
-    ratios = c.ratios()
+    assert list(c.ratios()) == ["tree", "copy"]
+    ratios = c.ratios()["tree"]
     assert list(ratios["first"]) == list(ratios["tail"]) == ["new", "full", "cut"]
     assert list(ratios["first"]["full"]) == list(ratios["tail"]["cut"]) == [
         "1-2", "3-4", "5-8", "9-16", "17-32", "33+"
@@ -189,7 +190,8 @@ def test_probability_scale_shortens_drafts():
     m.update([], accepted=0, match_len=3)
     m.update([0.9], accepted=0, match_len=3)
     assert m.ratio(3, "first") == pytest.approx(_shrunk(0, 0.9, 0, 0.9))
-    assert m.ratio(3, "tail") == 1.0 and m.expected == {("first", 1, "new"): 0.9, "first": 0.9}
+    assert m.ratio(3, "tail") == 1.0
+    assert m.expected == {("first", "tree", 1, "new"): 0.9, ("first", "tree"): 0.9}
 
 
 def test_acceptance_streaks_are_learnt_per_history():
@@ -205,6 +207,24 @@ def test_acceptance_streaks_are_learnt_per_history():
     assert best_length(c.scale([0.5] * 8, 20, "full"), MID) == 8
     assert best_length(c.scale([0.5] * 8, 20, "cut"), MID) == 0
     assert Calibration.outcome(4, 4) == "full" and Calibration.outcome(4, 3) == "cut"
+
+
+def test_copies_are_trusted_apart_from_the_trees():
+    # Prompt copies that keep failing (a prompt the answers do not copy) lose
+    # trust without touching the trees' cells, whose drafts keep paying.
+    c = Calibration()
+    for _ in range(50):
+        c.update([0.5] * 8, accepted=8, match_len=2, source="tree")
+        c.update([0.5] * 8, accepted=0, match_len=2, source="copy")
+    assert c.ratio(2, "first", source="tree") == pytest.approx(_shrunk(50, 25, 50, 25))
+    assert c.ratio(2, "first", source="copy") == pytest.approx(_shrunk(0, 25, 0, 25))
+    # A copy cell not seen yet starts from what copies have earned, not trees.
+    assert c.ratio(40, "first", source="copy") == pytest.approx(10 / 35)
+    assert best_length(c.scale([0.5] * 8, 2, source="tree"), MID) == 8
+    assert best_length(c.scale([0.5] * 8, 2, source="copy"), MID) == 0
+    assert c.ratios()["copy"]["first"]["new"]["1-2"] == pytest.approx(
+        c.ratio(2, "first", source="copy")
+    )
 
 
 def test_drafts_carry_their_requests_history():
@@ -223,8 +243,8 @@ def test_drafts_carry_their_requests_history():
     assert d.propose(q).last == "cut"
     # Each draft calibrates the cells of the history it was drafted after.
     bucket = d.calibration.bucket(second.match_len)
-    assert d.calibration.accepted[("first", bucket, "full")] == 1
-    assert d.calibration.accepted[("tail", bucket, "full", 3)] == 0
+    assert d.calibration.accepted[("first", "tree", bucket, "full")] == 1
+    assert d.calibration.accepted[("tail", "tree", bucket, "full", 3)] == 0
     other = d.start([1, 2, 3])
     assert d.propose(other).last == "new"
     d.finish(q)
