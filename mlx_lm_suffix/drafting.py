@@ -41,7 +41,7 @@ CACHE_FILE_VERSION = 1
 # longer than requests that share only the template, and the policy learns
 # the two apart (Calibration's match length buckets).
 PROMPT_TAIL_TOKENS = 64
-# The estimate of a prompt copy's tokens that no tree draft vouches for: a
+# The estimate of a prompt copy's tokens where the trees draft nothing: a
 # continuation seen once, as the trees rate one (its own occurrence counts).
 COPY_PROB = 0.5
 
@@ -287,12 +287,12 @@ class SuffixDrafter:
     def propose(self, req_id: int, max_tokens: Optional[int] = None) -> Draft:
         """The draft of up to ``max_tokens`` (default ``num_draft_tokens``)
         tokens after the request's committed tokens, before any length
-        policy: the trees' draft, or the prompt's continuation where the
-        output is copying the prompt (:mod:`~mlx_lm_suffix.copying`) and that
-        is longer. A copy keeps the trees' estimates as far as it agrees with
-        their draft and the last of them after it (:data:`COPY_PROB` where
-        it agrees with none); its match length is the copy's run, or the
-        trees' match where the copy extends their whole draft."""
+        policy: the trees' draft, extended by the prompt's continuation where
+        the output is copying the prompt (:mod:`~mlx_lm_suffix.copying`) and
+        that continuation starts with the trees' draft (or the trees have
+        none). A copy's estimates are the trees' as far as they draft, then
+        the last of them (:data:`COPY_PROB` where the trees have none); its
+        match length is the longer of the trees' match and the copy's run."""
         limit = self.num_draft_tokens if max_tokens is None else max_tokens
         if limit <= 0:
             return Draft()
@@ -310,14 +310,12 @@ class SuffixDrafter:
         draft = Draft(
             list(d.token_ids[:limit]), list(d.probs[:limit]), int(d.match_len), req.last
         )
-        if len(copy) <= len(draft):
+        n = len(draft)
+        if len(copy) <= n or copy[:n] != draft.tokens:
             return draft
-        n = 0
-        while n < len(draft) and copy[n] == draft.tokens[n]:
-            n += 1
-        p = draft.probs[n - 1] if n else COPY_PROB
-        match = max(draft.match_len, req.copy.run) if n == len(draft) else req.copy.run
-        return Draft(copy, draft.probs[:n] + [p] * (len(copy) - n), match, req.last, "copy")
+        p = draft.probs[-1] if n else COPY_PROB
+        match = max(draft.match_len, req.copy.run)
+        return Draft(copy, draft.probs + [p] * (len(copy) - n), match, req.last, "copy")
 
     def draft(
         self, req_id: int, max_tokens: Optional[int] = None, pipelined: bool = False

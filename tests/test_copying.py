@@ -89,18 +89,29 @@ def test_drafts_copy_past_the_trees_limit():
     assert kept.source == "tree" and kept.tokens[:52] == FILE[250:] + [3, 4]
 
 
-def test_a_copy_the_trees_disagree_with_gets_its_own_estimate():
+def test_the_trees_draft_wins_a_disagreement_and_copies_alone_get_an_estimate():
     d = SuffixDrafter(max_cached_requests=0)
     prompt = FILE[:100] + [7, 8, 500, 501, 502] + FILE[100:] + [5, 5, 7, 8] + list(range(600, 610))
     q = d.start(prompt)
     d.commit(q, FILE[:100] + [5, 5, 7, 8])  # copied, then an edit
+    # The copy re-joined where the output left, where 500 follows (7, 8); the
+    # trees' longest match says 600. Their draft is kept.
+    assert d._active[q].copy.propose(1) == [500]
+    draft = d.propose(q)
+    assert draft.source == "tree" and draft.tokens[:3] == [600, 601, 602]
+
+    # (7, 8) is followed by 13 different tokens: the trees rate each below
+    # min_token_prob and draft nothing; the copy drafts at COPY_PROB.
+    others = [t for i in range(12) for t in (7, 8, 901 + i)]
+    prompt = FILE[:100] + [7, 8, 900] + FILE[100:200] + others
+    d = SuffixDrafter(max_cached_requests=0)
+    q = d.start(prompt)
+    d.commit(q, FILE[:100] + [5, 7, 8])
     tree = d._caches[None].speculate(q, d._active[q].context, 64, 2.0, 0.0, 0.1)
     draft = d.propose(q)
-    # The trees' longest match says 600; the copy re-joined where the output
-    # left, where 500 follows (7, 8), and drafts past the trees' limit.
-    assert list(tree.token_ids)[0] == 600 and len(tree.token_ids) <= 8
+    assert len(tree.token_ids) == 0
     assert draft.tokens == prompt[102:166] and draft.source == "copy"
-    assert draft.probs == [COPY_PROB] * 64 and draft.match_len == 2
+    assert draft.probs == [COPY_PROB] * 64 and draft.match_len == max(2, tree.match_len)
 
 
 def test_copying_shortens_a_replayed_edit(monkeypatch):
