@@ -4,7 +4,8 @@ lifecycle of each request (start, draft, commit, finish).
 One :class:`SuffixDrafter` owns arctic-inference ``SuffixDecodingCache``
 objects (one per isolation scope; a single one unless a server partitions the
 cache per user). Each active request also drafts from its own prompt and
-output so far.
+output so far, and extends drafts with its prompt where its output copies
+the prompt (:mod:`~mlx_lm_suffix.copying`).
 """
 
 from __future__ import annotations
