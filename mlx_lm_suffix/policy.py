@@ -182,9 +182,9 @@ class Calibration:
     length and per band of their own estimate; both also per outcome of the
     request's previous verified draft (``"new"``: none yet, ``"full"``:
     accepted in full, ``"cut"``: rejected partway) and per source of the
-    draft (``"tree"``: the suffix trees; ``"copy"``: a copy of the prompt
-    longer than the trees' draft, see :mod:`~mlx_lm_suffix.copying`, whose
-    estimates past the trees' are a guess).
+    draft (``"tree"``: the suffix trees; ``"copy"``: the trees' draft
+    extended by a copy of the prompt, see :mod:`~mlx_lm_suffix.copying`,
+    whose estimates past the trees' are a guess).
 
     The estimates are frequencies in the trees, and the request's own
     occurrence of the matched text counts too, so a continuation seen once
