@@ -45,6 +45,9 @@ class Server:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=full_env,
+            # Ctrl-C must reach the server even where the test run was started
+            # with SIGINT ignored (a background job of a non-interactive shell).
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         if wait:
             self.wait_ready()
