@@ -23,7 +23,7 @@ from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tupl
 from arctic_inference.suffix_decoding import SuffixDecodingCache
 
 from .copying import PromptCopy
-from .policy import Calibration, VerifyCost, best_length, histogram
+from .policy import LONG_MATCH, Calibration, VerifyCost, best_length, histogram
 
 DEFAULT_NUM_DRAFT_TOKENS = 64
 DEFAULT_MAX_TREE_DEPTH = 96
@@ -293,24 +293,52 @@ class SuffixDrafter:
         that continuation starts with the trees' draft (or the trees have
         none). A copy's estimates are the trees' as far as they draft, then
         the last of them (:data:`COPY_PROB` where the trees have none); its
-        match length is the longer of the trees' match and the copy's run."""
+        match length is the longer of the trees' match and the copy's run.
+        With the adaptive policy, the trees' draft is the one from a match of
+        at least :data:`~mlx_lm_suffix.policy.LONG_MATCH` context tokens
+        where there is one (a repeat; its match length then reads
+        ``LONG_MATCH``)."""
         limit = self.num_draft_tokens if max_tokens is None else max_tokens
         if limit <= 0:
             return Draft()
         with self._lock:
             req = self._active[req_id]
-            d = self._caches[req.scope].speculate(
+            cache, context = self._caches[req.scope], req.context[-self.max_tree_depth :]
+            d = cache.speculate(
                 req_id,
-                req.context[-self.max_tree_depth :],
+                context,
                 max_spec_tokens=limit,
                 max_spec_factor=self.max_spec_factor,
                 max_spec_offset=self.max_spec_offset,
                 min_token_prob=self.min_token_prob,
             )
+            tokens, probs, match = list(d.token_ids), list(d.probs), int(d.match_len)
+            if self.policy == "adaptive":
+                # arctic-inference drafts from the shortest match that gives its
+                # best-scoring draft, and a continuation seen once scores low
+                # (the request's own occurrence counts): a repeated request gets
+                # the draft of a template match several earlier answers share,
+                # branching where they part. Prefer the draft of a match of at
+                # least LONG_MATCH tokens, within the same limits; where the
+                # trees' draft goes on from it (the tree depth bounds a match
+                # and its draft together), keep the rest, estimated no higher.
+                longest = LONG_MATCH * self.max_spec_factor + self.max_spec_offset
+                n = int(min(limit, longest))
+                long = cache.speculate(
+                    req_id,
+                    context,
+                    max_spec_tokens=n,
+                    max_spec_factor=float(n),
+                    max_spec_offset=-float(n * (LONG_MATCH - 1)),
+                    min_token_prob=self.min_token_prob,
+                ) if n > 0 else None
+                if long is not None and len(long.token_ids):
+                    n, low = len(long.token_ids), long.probs[-1]
+                    rest = [] if tokens[:n] != list(long.token_ids) else tokens[n:]
+                    probs = list(long.probs) + [min(p, low) for p in probs[n : n + len(rest)]]
+                    tokens, match = list(long.token_ids) + rest, LONG_MATCH
             copy = req.copy.propose(limit)
-        draft = Draft(
-            list(d.token_ids[:limit]), list(d.probs[:limit]), int(d.match_len), req.last
-        )
+        draft = Draft(tokens[:limit], probs[:limit], match, req.last)
         n = len(draft)
         if len(copy) <= n or copy[:n] != draft.tokens:
             return draft

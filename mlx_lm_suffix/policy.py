@@ -25,6 +25,9 @@ CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: How much faster than plain steps a batch's verification must expect to
 #: commit tokens (see :func:`best_batch_lengths`).
 BATCH_MARGIN = 1.2
+#: Context tokens a long match has at least (:class:`Calibration`'s last
+#: bucket, pooled apart).
+LONG_MATCH = 48
 
 
 class VerifyCost:
@@ -200,13 +203,19 @@ class Calibration:
     of an answer matches only the end of the prompt. Each cell keeps the
     ratio of accepted to expected tokens and scales the estimates in it by
     that ratio, at most ``max_ratio`` times. A cell starts from the ratio of
-    its part (first or tail) over all cells of its source, worth
-    ``prior_expected`` tokens, so a cell not verified yet is trusted as much as the traffic has
-    earned (that ratio in turn starts from ``prior_ratio``); all forget
-    slowly."""
+    its pool (its part, first or tail, over all cells of its source), worth
+    ``prior_expected`` tokens, so a cell not verified yet is trusted as much
+    as the traffic has earned (that ratio in turn starts from
+    ``prior_ratio``); all forget slowly.
+
+    The last bucket holds long matches (at least :data:`LONG_MATCH` context
+    tokens: a repeated request, text the answer copied before) and has
+    pools of its own, so the distrust that short template matches teach
+    (tool-call JSON after the same chat template, drafted from another
+    call's arguments) does not carry over to repeats."""
 
     #: Upper bounds of the match length buckets (the last is open).
-    BUCKETS = (2, 4, 8, 16, 32)
+    BUCKETS = (2, 4, 8, 16, 32, LONG_MATCH - 1)
     #: Upper bounds of the bands of a later token's estimate given the first.
     BANDS = (0.25, 0.5, 0.75)
     #: Outcomes of a request's previous verified draft.
@@ -221,7 +230,7 @@ class Calibration:
         self.prior_ratio = prior_ratio
         self.max_ratio = max_ratio
         # Verified tokens' estimates and how many were accepted, per cell and
-        # per part (the cells' pool: key "first" or "tail").
+        # per pool (part, source, long match or not).
         self.expected: Dict[Any, float] = {}
         self.accepted: Dict[Any, float] = {}
 
@@ -238,8 +247,13 @@ class Calibration:
         """The history a verified draft leaves for its request's next one."""
         return "full" if accepted >= drafted else "cut"
 
+    @classmethod
+    def _pool(cls, cell: tuple) -> tuple:
+        # (part, source, long match?)
+        return cell[0], cell[1], cell[2] == len(cls.BUCKETS)
+
     def _ratio(self, cell: tuple) -> float:
-        part, prior = cell[:2], self.prior_expected
+        part, prior = self._pool(cell), self.prior_expected
         pooled = (self.accepted.get(part, 0.0) + prior * self.prior_ratio) / (
             self.expected.get(part, 0.0) + prior
         )
@@ -305,7 +319,7 @@ class Calibration:
                 self._add(("tail", source, b, last, self.band(q)), q, int(accepted > i))
 
     def _add(self, cell: tuple, expected: float, accepted: float) -> None:
-        for key in (cell, cell[:2]):
+        for key in (cell, self._pool(cell)):
             e = self.expected.get(key, 0.0) + expected
             a = self.accepted.get(key, 0.0) + accepted
             if e > 500:  # keep adapting: forget old steps

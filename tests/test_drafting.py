@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlx_lm_suffix.drafting import CacheFileError, SuffixDrafter, read_cache_file
+from mlx_lm_suffix.policy import LONG_MATCH
 
 
 def test_drafts_from_prompt_and_from_earlier_response():
@@ -49,6 +50,30 @@ def test_a_repeat_matches_longer_than_a_shared_template():
     assert rd.tokens[:8] == od.tokens[:8] == answer[1:9]
     assert od.match_len <= len(template) + 1 < 33 <= rd.match_len
     assert d.calibration.bucket(rd.match_len) > d.calibration.bucket(od.match_len)
+
+
+def test_a_repeat_drafts_its_own_answer_where_earlier_answers_branch():
+    """Three answers after the same template share their start and then part,
+    two of them one way: arctic-inference drafts from the template match
+    (the majority's way); the adaptive drafter drafts a repeated request's
+    own answer from its long match, and calibrates it as one."""
+    template = list(range(900, 924))
+    shared, own, other = list(range(500, 510)), list(range(600, 630)), list(range(700, 730))
+    prompts = [list(range(100 * i, 100 * i + 60)) + template for i in (1, 2, 3)]
+    drafts = {}
+    for policy in ("adaptive", "fixed"):
+        d = SuffixDrafter(policy=policy)
+        for prompt, tail in zip(prompts, (own, other, other)):
+            q = d.start(prompt)
+            d.commit(q, shared + tail)
+            d.finish(q)
+        repeat = d.start(prompts[0])
+        d.commit(repeat, shared[:1])
+        drafts[policy] = d.propose(repeat, 32)
+    assert drafts["adaptive"].tokens == shared[1:] + own[:23]
+    assert drafts["adaptive"].match_len == LONG_MATCH
+    assert drafts["fixed"].tokens[9:12] == other[:3]
+    assert drafts["fixed"].match_len < LONG_MATCH
 
 
 def test_scopes_are_isolated():

@@ -8,6 +8,7 @@ from mlx_lm import load
 from mlx_lm_suffix import policy
 from mlx_lm_suffix.drafting import Draft, SuffixDrafter
 from mlx_lm_suffix.policy import (
+    LONG_MATCH,
     Calibration,
     VerifyCost,
     best_batch_lengths,
@@ -140,6 +141,10 @@ def test_probability_scale_shortens_drafts():
     # Match lengths not seen yet start from what their part has earned.
     assert c.ratio(20, "first") == pytest.approx(50 / 35)
     assert c.ratio(20, "tail", 0.1) == pytest.approx(10 / 130)
+    # Long matches (repeats) have pools of their own: short ones' distrust
+    # does not carry over.
+    assert c.ratio(LONG_MATCH, "first") == c.ratio(90, "tail", 0.1) == 1.0
+    assert c.ratio(LONG_MATCH - 1, "tail", 0.1) == pytest.approx(10 / 130)
     # Flat estimates after a short match (one continuation known) are scaled
     # down after the first token too, so a pipelined tail no longer looks sure.
     tail = _shrunk(0, 120, 0, 120)
@@ -150,9 +155,9 @@ def test_probability_scale_shortens_drafts():
     ratios = c.ratios()["tree"]
     assert list(ratios["first"]) == list(ratios["tail"]) == ["new", "full", "cut"]
     assert list(ratios["first"]["full"]) == list(ratios["tail"]["cut"]) == [
-        "1-2", "3-4", "5-8", "9-16", "17-32", "33+"
+        "1-2", "3-4", "5-8", "9-16", "17-32", "33-47", "48+"
     ]
-    assert list(ratios["tail"]["new"]["33+"]) == ["0-0.25", "0.25-0.5", "0.5-0.75", "0.75-1"]
+    assert list(ratios["tail"]["new"]["48+"]) == ["0-0.25", "0.25-0.5", "0.5-0.75", "0.75-1"]
     assert ratios["first"]["new"]["1-2"] == pytest.approx(first)
 
     # Repeats the trees rate 0.5 (their own occurrence counts) are accepted in
@@ -191,7 +196,7 @@ def test_probability_scale_shortens_drafts():
     m.update([0.9], accepted=0, match_len=3)
     assert m.ratio(3, "first") == pytest.approx(_shrunk(0, 0.9, 0, 0.9))
     assert m.ratio(3, "tail") == 1.0
-    assert m.expected == {("first", "tree", 1, "new"): 0.9, ("first", "tree"): 0.9}
+    assert m.expected == {("first", "tree", 1, "new"): 0.9, ("first", "tree", False): 0.9}
 
 
 def test_acceptance_streaks_are_learnt_per_history():
