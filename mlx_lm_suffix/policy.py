@@ -212,7 +212,10 @@ class Calibration:
     tokens: a repeated request, text the answer copied before) and has
     pools of its own, so the distrust that short template matches teach
     (tool-call JSON after the same chat template, drafted from another
-    call's arguments) does not carry over to repeats."""
+    call's arguments) does not carry over to repeats. The pool of their
+    first tokens starts from ``long_first_ratio``: the trees count the
+    request's own occurrence of the context, so a continuation seen once
+    elsewhere reads 0.5, and after a long match there is seldom another."""
 
     #: Upper bounds of the match length buckets (the last is open).
     BUCKETS = (2, 4, 8, 16, 32, LONG_MATCH - 1)
@@ -224,10 +227,15 @@ class Calibration:
     SOURCES = ("tree", "copy")
 
     def __init__(
-        self, prior_expected: float = 10.0, prior_ratio: float = 1.0, max_ratio: float = 2.5
+        self,
+        prior_expected: float = 10.0,
+        prior_ratio: float = 1.0,
+        max_ratio: float = 2.5,
+        long_first_ratio: float = 2.0,
     ):
         self.prior_expected = prior_expected
         self.prior_ratio = prior_ratio
+        self.long_first_ratio = long_first_ratio
         self.max_ratio = max_ratio
         # Verified tokens' estimates and how many were accepted, per cell and
         # per pool (part, source, long match or not).
@@ -254,7 +262,8 @@ class Calibration:
 
     def _ratio(self, cell: tuple) -> float:
         part, prior = self._pool(cell), self.prior_expected
-        pooled = (self.accepted.get(part, 0.0) + prior * self.prior_ratio) / (
+        start = self.long_first_ratio if part[0] == "first" and part[2] else self.prior_ratio
+        pooled = (self.accepted.get(part, 0.0) + prior * start) / (
             self.expected.get(part, 0.0) + prior
         )
         ratio = (self.accepted.get(cell, 0.0) + prior * pooled) / (
