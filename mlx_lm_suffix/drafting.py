@@ -324,19 +324,23 @@ class SuffixDrafter:
                 # and its draft together), keep the rest, estimated no higher.
                 longest = LONG_MATCH * self.max_spec_factor + self.max_spec_offset
                 n = int(min(limit, longest))
-                long = cache.speculate(
-                    req_id,
-                    context,
-                    max_spec_tokens=n,
-                    max_spec_factor=float(n),
-                    max_spec_offset=-float(n * (LONG_MATCH - 1)),
-                    min_token_prob=self.min_token_prob,
-                ) if n > 0 else None
-                if long is not None and len(long.token_ids):
-                    n, low = len(long.token_ids), long.probs[-1]
-                    rest = [] if tokens[:n] != list(long.token_ids) else tokens[n:]
-                    probs = list(long.probs) + [min(p, low) for p in probs[n : n + len(rest)]]
-                    tokens, match = list(long.token_ids) + rest, LONG_MATCH
+                deep: List[int] = []
+                if n > 0:
+                    # Only a match of LONG_MATCH tokens or more allows a token.
+                    far = cache.speculate(
+                        req_id,
+                        context,
+                        max_spec_tokens=n,
+                        max_spec_factor=float(n),
+                        max_spec_offset=-float(n * (LONG_MATCH - 1)),
+                        min_token_prob=self.min_token_prob,
+                    )
+                    deep = list(far.token_ids)
+                if deep:
+                    n, low = len(deep), far.probs[-1]
+                    rest = tokens[n:] if tokens[:n] == deep else []
+                    probs = list(far.probs) + [min(p, low) for p in probs[n : n + len(rest)]]
+                    tokens, match = deep + rest, LONG_MATCH
             copy = req.copy.propose(limit)
         draft = Draft(tokens[:limit], probs[:limit], match, req.last)
         n = len(draft)
