@@ -325,8 +325,9 @@ class SuffixDrafter:
                 longest = LONG_MATCH * self.max_spec_factor + self.max_spec_offset
                 n = int(min(limit, longest))
                 deep: List[int] = []
-                if n > 0:
-                    # Only a match of LONG_MATCH tokens or more allows a token.
+                if n > 0 and tokens:
+                    # Only a match of LONG_MATCH tokens or more allows a token
+                    # (none when no match at all gave a draft).
                     far = cache.speculate(
                         req_id,
                         context,

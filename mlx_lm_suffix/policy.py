@@ -261,10 +261,11 @@ class Calibration:
         return cell[0], cell[1], cell[2] == len(cls.BUCKETS)
 
     def _ratio(self, cell: tuple) -> float:
-        part, prior = self._pool(cell), self.prior_expected
-        start = self.long_first_ratio if part[0] == "first" and part[2] else self.prior_ratio
-        pooled = (self.accepted.get(part, 0.0) + prior * start) / (
-            self.expected.get(part, 0.0) + prior
+        pool, prior = self._pool(cell), self.prior_expected
+        part, _, long = pool
+        start = self.long_first_ratio if part == "first" and long else self.prior_ratio
+        pooled = (self.accepted.get(pool, 0.0) + prior * start) / (
+            self.expected.get(pool, 0.0) + prior
         )
         ratio = (self.accepted.get(cell, 0.0) + prior * pooled) / (
             self.expected.get(cell, 0.0) + prior
