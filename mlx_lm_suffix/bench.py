@@ -28,7 +28,11 @@ installed by :func:`serve_main` from ``$MLX_LM_SUFFIX_SCRIPT`` (a JSONL of
 ``{"prompt_ids", "reference_ids"}``).
 
 Ratios are medians of per-repetition ratios to ``stock`` (the same
-repetition, arm order alternating between repetitions).
+repetition). Arms run interleaved, so that the machine's drift over a run
+weighs on all of them alike: in process, each request goes through every
+arm in turn; through servers, all servers of a repetition run at once and
+each wave of ``concurrency`` sessions goes to every server in turn. The
+order alternates from request (wave) to request (wave).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -396,8 +400,26 @@ def generate_one(
     return s, out
 
 
-def run_inprocess_arm(
-    arm: str,
+def arm_drafter(arm: str, drafter_kwargs: Optional[Dict[str, Any]] = None) -> Optional[SuffixDrafter]:
+    """A fresh drafter for in-process ``arm`` (None for ``stock``)."""
+    drafter_kwargs = drafter_kwargs or {}
+    if arm in ("suffix-cold", "suffix-warm"):
+        return SuffixDrafter(**drafter_kwargs)
+    if arm in ("suffix-cold-fixed", "suffix-warm-fixed"):
+        return SuffixDrafter(**{**drafter_kwargs, "policy": "fixed"})
+    if arm == "oracle":
+        return OracleDrafter(**{**drafter_kwargs, "policy": "fixed"})
+    if oracle_length(arm) is not None:
+        return OracleDrafter(
+            **{**drafter_kwargs, "policy": "fixed", "num_draft_tokens": oracle_length(arm)}
+        )
+    if arm != "stock":
+        raise ValueError(f"unknown in-process arm {arm!r}")
+    return None
+
+
+def run_inprocess_arms(
+    arms: Sequence[str],
     model: Any,
     tokenizer: Any,
     requests: Sequence[Request],
@@ -406,34 +428,31 @@ def run_inprocess_arm(
     eos_id: int,
     drafter_kwargs: Optional[Dict[str, Any]] = None,
     tick: Callable[[], None] = lambda: None,
-) -> Dict[str, Any]:
-    """Run ``requests`` (in order) through one in-process arm."""
-    drafter_kwargs = drafter_kwargs or {}
-    drafter: Optional[SuffixDrafter] = None
-    if arm in ("suffix-cold", "suffix-warm"):
-        drafter = SuffixDrafter(**drafter_kwargs)
-    elif arm in ("suffix-cold-fixed", "suffix-warm-fixed"):
-        drafter = SuffixDrafter(**{**drafter_kwargs, "policy": "fixed"})
-    elif arm == "oracle":
-        drafter = OracleDrafter(**{**drafter_kwargs, "policy": "fixed"})
-    elif oracle_length(arm) is not None:
-        drafter = OracleDrafter(
-            **{**drafter_kwargs, "policy": "fixed", "num_draft_tokens": oracle_length(arm)}
-        )
-    elif arm != "stock":
-        raise ValueError(f"unknown in-process arm {arm!r}")
-    if drafter is not None:
+) -> Dict[str, Dict[str, Any]]:
+    """Run ``requests`` (in order) through every in-process arm, interleaved:
+    each request goes through all arms in turn, in an order that alternates
+    from request to request, so that the machine's drift over the run weighs
+    on every arm alike. Each arm keeps its own drafter across the requests."""
+    drafters = {a: arm_drafter(a, drafter_kwargs) for a in arms}
+    for a, drafter in drafters.items():
+        if drafter is None:
+            continue
         drafter.ensure_cost(model)  # the cost calibration stays out of the timings
-    if arm.startswith("suffix-warm"):  # replay once, untimed
-        for req in requests:
-            generate_one(model, tokenizer, req, max_tokens, drafter, scripted, eos_id)
-    _reset_peak_memory()
-    samples = []
-    for req in requests:
-        s, _ = generate_one(model, tokenizer, req, max_tokens, drafter, scripted, eos_id)
-        samples.append(s)
-        tick()
-    return summarize(samples, peak_memory=_peak_memory())
+        if a.startswith("suffix-warm"):  # replay once, untimed
+            for req in requests:
+                generate_one(model, tokenizer, req, max_tokens, drafter, scripted, eos_id)
+    samples: Dict[str, List[Sample]] = {a: [] for a in arms}
+    peaks: Dict[str, Optional[int]] = {a: None for a in arms}
+    for i, req in enumerate(requests):
+        for a in arms if i % 2 == 0 else list(reversed(arms)):
+            _reset_peak_memory()
+            s, _ = generate_one(model, tokenizer, req, max_tokens, drafters[a], scripted, eos_id)
+            peak = _peak_memory()
+            if peak is not None:
+                peaks[a] = max(peaks[a] or 0, peak)
+            samples[a].append(s)
+            tick()
+    return {a: summarize(samples[a], peak_memory=peaks[a]) for a in arms}
 
 
 def oracle_length(arm: str) -> Optional[int]:
@@ -596,37 +615,47 @@ def http_generate(url: str, req: Request, max_tokens: int, timeout: float = 600.
     return Sample(n, seconds, ttft or seconds, drafted, accepted, steps), "".join(text)
 
 
-def run_server_arm(
-    url: str,
+def run_server_arms(
+    urls: Dict[str, str],
     requests: Sequence[Request],
     max_tokens: int,
     concurrency: int,
     scripted: bool,
     tick: Callable[[], None] = lambda: None,
-) -> Dict[str, Any]:
-    """Send the workload to a server with ``concurrency`` sessions in flight
-    (the turns of a session stay in order)."""
+) -> Dict[str, Dict[str, Any]]:
+    """Send the workload to every server of ``urls`` (name -> base URL) with
+    ``concurrency`` sessions in flight (the turns of a session stay in
+    order), interleaved: the sessions go in waves of ``concurrency``, each
+    wave to every server in turn, in an order that alternates from wave to
+    wave, so that the machine's drift weighs on every server alike. A
+    server's time is the sum of its waves'."""
     sessions: Dict[str, List[Request]] = {}
     for r in requests:
         sessions.setdefault(r.session, []).append(r)
-    samples: List[Sample] = []
+    groups = list(sessions.values())
+    names = list(urls)
+    samples: Dict[str, List[Sample]] = {n: [] for n in names}
+    walls = dict.fromkeys(names, 0.0)
     lock = threading.Lock()
 
-    def run_session(reqs: List[Request]) -> None:
+    def run_session(name: str, reqs: List[Request]) -> None:
         for r in reqs:
-            s, text = http_generate(url, r, max_tokens)
+            s, text = http_generate(urls[name], r, max_tokens)
             if scripted:
                 s.matched = r.reference.startswith(text) and len(text) > 0
             with lock:
-                samples.append(s)
+                samples[name].append(s)
             tick()
 
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        for f in [pool.submit(run_session, v) for v in sessions.values()]:
-            f.result()
-    wall = time.perf_counter() - t0
-    return summarize(samples, wall=wall)
+    for w, start in enumerate(range(0, len(groups), concurrency)):
+        wave = groups[start : start + concurrency]
+        for name in names if w % 2 == 0 else reversed(names):
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=concurrency) as pool:
+                for f in [pool.submit(run_session, name, reqs) for reqs in wave]:
+                    f.result()
+            walls[name] += time.perf_counter() - t0
+    return {n: summarize(samples[n], wall=walls[n]) for n in names}
 
 
 def server_stats(url: str) -> Optional[Dict[str, Any]]:
@@ -719,10 +748,7 @@ def run_bench(
         for rep in range(repetitions):
             order = list(arms) if rep % 2 == 0 else list(reversed(arms))
             per_rep.append(
-                {
-                    a: run_inprocess_arm(a, model, tokenizer, requests, max_tokens, scripted, eos_id, drafter_kwargs, tick)
-                    for a in order
-                }
+                run_inprocess_arms(order, model, tokenizer, requests, max_tokens, scripted, eos_id, drafter_kwargs, tick)
             )
         if server:
             script = write_script(tmp / f"{name}.script.jsonl", requests) if scripted else None
@@ -790,34 +816,35 @@ def _server_rep(
     fixed: bool = False,
 ) -> Dict[str, Dict[str, Any]]:
     """One repetition of the server arms: a stock server and a fresh suffix
-    server (cold, then warm; started with ``suffix_args``), and with ``fixed``
-    a fresh ``--suffix-policy fixed`` server, in alternating order."""
-    out: Dict[str, Dict[str, Any]] = {}
-
-    def stock() -> None:
-        log = log_dir / "server-stock.log" if log_dir else None
-        with server_process(model_path, suffix=False, script=script, eos_id=eos_id, blas=blas, log=log) as url:
-            warm_up(url)
-            out["server-stock"] = run_server_arm(url, requests, max_tokens, concurrency, scripted, tick)
-            # Second pass: the server's prompt cache is now as warm as the
-            # suffix server's in its warm pass, so they compare fairly.
-            out["server-stock-warm"] = run_server_arm(url, requests, max_tokens, concurrency, scripted, tick)
-
-    def suffix(tag: str = "", args: Sequence[str] = suffix_args) -> None:
-        log = log_dir / f"server-suffix{tag}.log" if log_dir else None
-        with server_process(model_path, suffix=True, script=script, eos_id=eos_id, blas=blas, log=log, extra_args=args) as url:
-            warm_up(url)
-            out[f"server-suffix-cold{tag}"] = run_server_arm(url, requests, max_tokens, concurrency, scripted, tick)
-            out[f"server-suffix-warm{tag}"] = run_server_arm(url, requests, max_tokens, concurrency, scripted, tick)
-            stats = server_stats(url)
-            if stats is not None:
-                out[f"server-suffix-warm{tag}"]["server_stats"] = stats
-
-    runs = [stock, suffix]
+    server (started with ``suffix_args``), and with ``fixed`` a fresh
+    ``--suffix-policy fixed`` server, all running at once; the workload goes
+    through them interleaved (:func:`run_server_arms`) twice, cold then
+    warm. The start order alternates between repetitions."""
+    servers = [("stock", False, ()), ("suffix", True, suffix_args)]
     if fixed:
-        runs.append(lambda: suffix("-fixed", [*suffix_args, "--suffix-policy", "fixed"]))
-    for f in runs if rep % 2 == 0 else reversed(runs):
-        f()
+        servers.append(("suffix-fixed", True, (*suffix_args, "--suffix-policy", "fixed")))
+    if rep % 2:
+        servers.reverse()
+    with ExitStack() as stack:
+        urls = {}
+        for name, suffix, args in servers:
+            log = log_dir / f"server-{name}.log" if log_dir else None
+            urls[name] = stack.enter_context(
+                server_process(model_path, suffix=suffix, script=script, eos_id=eos_id, blas=blas, log=log, extra_args=args)
+            )
+            warm_up(urls[name])
+        cold = run_server_arms(urls, requests, max_tokens, concurrency, scripted, tick)
+        # Second pass: the stock server's prompt cache is now as warm as the
+        # suffix servers' in theirs, so they compare fairly.
+        warm = run_server_arms(urls, requests, max_tokens, concurrency, scripted, tick)
+        stats = {n: server_stats(u) for n, u in urls.items() if n != "stock"}
+    out = {"server-stock": cold["stock"], "server-stock-warm": warm["stock"]}
+    for name, tag in (("suffix", ""), ("suffix-fixed", "-fixed")):
+        if name in urls:
+            out[f"server-suffix-cold{tag}"] = cold[name]
+            out[f"server-suffix-warm{tag}"] = warm[name]
+            if stats[name] is not None:
+                out[f"server-suffix-warm{tag}"]["server_stats"] = stats[name]
     return out
 
 

@@ -67,14 +67,33 @@ def test_scripted_processor_tells_apart_same_endings():
 def test_oracle_accepts_all_drafts(loaded, requests):
     model, tokenizer = loaded
     eos = sorted(tokenizer.eos_token_ids)[0]
-    m = bench.run_inprocess_arm("oracle", model, tokenizer, requests["open-ended"], 40, True, eos)
+    runs = bench.run_inprocess_arms(
+        ["oracle", "oracle@2"], model, tokenizer, requests["open-ended"], 40, True, eos
+    )
+    m, short = runs["oracle"], runs["oracle@2"]
     assert m["drafted"] > 0
     assert m["acceptance_rate"] >= 0.99
     assert m["tokens_per_step"] > 3
-    short = bench.run_inprocess_arm("oracle@2", model, tokenizer, requests["open-ended"], 40, True, eos)
     assert short["acceptance_rate"] >= 0.99
     assert 1 < short["tokens_per_step"] <= 3  # 2 draft tokens and the bonus
     assert not bench.is_inprocess_arm("oracle@0") and not bench.is_inprocess_arm("oracle@x")
+
+
+def test_interleaved_arms_keep_their_own_drafters(loaded, requests):
+    # Each request goes through every arm in turn: an arm's drafter state
+    # (global cache, calibration) must be its own, as in a run of it alone.
+    model, tokenizer = loaded
+    eos = sorted(tokenizer.eos_token_ids)[0]
+    reqs = requests["agentic"][:4]
+    # (Fixed-length drafting: the adaptive policy's choices follow timings.)
+    arms = ["stock", "suffix-cold-fixed", "suffix-warm-fixed"]
+    both = bench.run_inprocess_arms(arms, model, tokenizer, reqs, 40, True, eos)
+    alone = bench.run_inprocess_arms(["suffix-cold-fixed"], model, tokenizer, reqs, 40, True, eos)
+    assert both["stock"]["steps"] == both["stock"]["tokens"] and both["stock"]["drafted"] == 0
+    for key in ("tokens", "drafted", "accepted", "steps"):
+        assert both["suffix-cold-fixed"][key] == alone["suffix-cold-fixed"][key]
+    assert both["suffix-warm-fixed"]["steps"] < both["suffix-cold-fixed"]["steps"]
+    assert all(r["matched_reference"] for r in both.values())
 
 
 def test_bench_command(tmp_path, tiny_model_path):
@@ -131,6 +150,9 @@ def test_bench_server_arms_and_demo(tmp_path, tiny_model_path, models_dir):
     # (Whether the adaptive server's drafts pay on the tiny model depends on
     # this machine's load; the fixed one drafts whatever repeats.)
     assert arms["server-suffix-warm-fixed@c2"]["drafted"] > 0
+    # Interleaved waves: every server saw the whole workload, once per pass.
+    assert {m["requests"] for m in arms.values()} == {2}
+    assert len({m["tokens"] for m in arms.values()}) == 1
     assert all(m["matched_reference"] for m in arms.values())
 
     result = CliRunner(env={"MLX_LM_SUFFIX_HOME": str(models_dir)}).invoke(
