@@ -126,6 +126,7 @@ def suffix_generate_step(
         warn_untrimmable(model, prompt_cache)
     if can_draft:
         drafter.ensure_cost(model)
+    adaptive = drafter.policy == "adaptive" and drafter.cost is not None
     ctx_limit = context_limit(model, max_kv_size)
 
     sampler = sampler or greedy_sampler
@@ -244,10 +245,14 @@ def suffix_generate_step(
                     extend_history(tok)
                     first, first_lp = nxt
                     if first.item() != draft[0]:
-                        # A plain step after all: the next one is pipelined.
+                        # A plain step after all. The adaptive policy drafts
+                        # after its (known) token next and verifies both in
+                        # one forward where that pays, rather than wait for
+                        # another plain step to check the draft's first token;
+                        # fixed drafting pipelines the next step.
                         drafter.record(drafted=1, accepted=0, draft=proposal, req_id=req)
                         pending, pending_is_plain = nxt, False
-                        spec_mode = False
+                        spec_mode = adaptive
                         continue
                     inputs = mx.array(draft, mx.uint32)
                     tic = time.perf_counter()

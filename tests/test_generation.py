@@ -290,6 +290,59 @@ def test_first_token_miss_stays_pipelined(model_and_tokenizer):
     assert calls[1:] == [(1, 0)] + [(1, i) for i in range(40)]
 
 
+class OnceWrongFirstToken(SuffixDrafter):
+    """Drafts normally, except that the first pipelined draft's first token
+    is wrong."""
+
+    missed = False
+
+    def draft(self, req_id, max_tokens=None, pipelined=False):
+        d = super().draft(req_id, max_tokens, pipelined)
+        if pipelined and d.tokens and not self.missed:
+            self.missed = True
+            d.tokens[0] += 1
+        return d
+
+
+def _forwards_after_a_miss(model, prompt, policy):
+    """(tokens fed, tokens yielded before) of each target call of a repeat
+    whose first pipelined draft's first token is wrong."""
+    drafter = OnceWrongFirstToken(policy=policy, cost=VerifyCost({1: 1.0, 64: 1.05}, smoothing=0))
+    _suffix(model, prompt, drafter, max_tokens=40)  # the repeat drafts from it
+    drafter.missed = False
+    yielded, calls = [], []
+
+    class Spy(_Wrapper):
+        def __call__(self, inputs, cache=None, **kw):
+            calls.append((inputs.shape[1], len(yielded)))
+            return self.inner(inputs, cache=cache, **kw)
+
+    for t, _, _ in suffix_generate_step(mx.array(prompt), Spy(model), drafter, max_tokens=40):
+        yielded.append(t)
+    assert drafter.missed
+    return yielded, calls
+
+
+def test_adaptive_verifies_the_missed_token_with_the_next_draft(model_and_tokenizer):
+    """After the plain forward rejects a pipelined draft, the token it gave is
+    known: the adaptive policy drafts after it and verifies both in one
+    forward, where fixed drafting pipelines one more plain step first."""
+    model, tokenizer = model_and_tokenizer
+    prompt = _prompts(tokenizer, 2)[1]
+    ref = _stock(model, prompt, max_tokens=40)
+    for policy in ("adaptive", "fixed"):
+        yielded, calls = _forwards_after_a_miss(model, prompt, policy)
+        assert yielded == ref
+        # After the prefill: the last prompt token, the plain forward of token
+        # 0 (which rejects the draft after it), then:
+        assert calls[1:3] == [(1, 0), (1, 0)]
+        if policy == "adaptive":
+            # token 1 (the rejected draft's place) and a draft, once yielded.
+            assert calls[3][0] > 1 and calls[3][1] == 2
+        else:
+            assert calls[3] == (1, 1)  # token 1's plain forward, pipelined
+
+
 def test_cache_holds_exactly_prompt_plus_yielded_tokens(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     prompt = _prompts(tokenizer, 2)[1]
