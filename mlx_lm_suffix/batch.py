@@ -309,14 +309,14 @@ class SuffixGenerationBatch(GenerationBatch):
 
     def _cut(self, drafts: List[Draft]) -> List[Draft]:
         """With the adaptive policy, cut the drafts to the one batch width at
-        which their tails (given a confirmed first token) pay best; drop
-        drafts shorter than 2 tokens."""
-        cost = getattr(self.drafter, "cost", None)
-        if getattr(self.drafter, "policy", "fixed") == "adaptive" and cost is not None:
+        which their tails (given a confirmed first token) save the most time
+        (:func:`~mlx_lm_suffix.policy.best_batch_lengths`); drop drafts
+        shorter than 2 tokens."""
+        if self.drafter.cost_aware:
             scale = self.drafter.calibration.scale
             lengths = best_batch_lengths(
                 [scale(d.probs, d.match_len, d.last, d.source) for d in drafts],
-                cost,
+                self.drafter.cost,
                 pipelined=True,
             )
             drafts = [d.truncate(n) for d, n in zip(drafts, lengths)]

@@ -194,6 +194,12 @@ class SuffixDrafter:
 
     # ------------------------------------------------------------------ state
     @property
+    def cost_aware(self) -> bool:
+        """Whether drafts are cut to the length that pays: the adaptive
+        policy, once it has a cost curve (measured or given)."""
+        return self.policy == "adaptive" and self.cost is not None
+
+    @property
     def active_requests(self) -> int:
         return len(self._active)
 
@@ -364,7 +370,7 @@ class SuffixDrafter:
         gain anything (a draft shorter than 2 is dropped, whatever the policy;
         see :func:`~mlx_lm_suffix.policy.best_length`)."""
         draft = self.propose(req_id, max_tokens)
-        if self.policy == "adaptive" and self.cost is not None and draft.tokens:
+        if self.cost_aware and draft.tokens:
             probs = self.calibration.scale(
                 draft.probs, draft.match_len, draft.last, draft.source
             )

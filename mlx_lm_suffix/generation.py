@@ -126,7 +126,6 @@ def suffix_generate_step(
         warn_untrimmable(model, prompt_cache)
     if can_draft:
         drafter.ensure_cost(model)
-    adaptive = drafter.policy == "adaptive" and drafter.cost is not None
     ctx_limit = context_limit(model, max_kv_size)
 
     sampler = sampler or greedy_sampler
@@ -252,7 +251,7 @@ def suffix_generate_step(
                         # fixed drafting pipelines the next step.
                         drafter.record(drafted=1, accepted=0, draft=proposal, req_id=req)
                         pending, pending_is_plain = nxt, False
-                        spec_mode = adaptive
+                        spec_mode = drafter.cost_aware
                         continue
                     inputs = mx.array(draft, mx.uint32)
                     tic = time.perf_counter()
