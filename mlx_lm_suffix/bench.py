@@ -759,9 +759,7 @@ def run_bench(
         all_arms = list(per_rep[0])
         for a in all_arms:
             merged = _merge([rep[a] for rep in per_rep if a in rep])
-            base = "stock"
-            if a.startswith("server-"):  # warm passes compare with warm passes (server prompt cache)
-                base = ("server-stock-warm@" if "-warm@" in a else "server-stock@") + a.split("@")[1]
+            base = baseline_arm(a)
             ratios = [
                 rep[a]["tokens_per_s"] / rep[base]["tokens_per_s"]
                 for rep in per_rep
@@ -779,6 +777,18 @@ def run_bench(
             wl["arms"][a] = merged
         report["workloads"][name] = wl
     return report
+
+
+def baseline_arm(arm: str) -> str:
+    """The stock arm that ``arm``'s speedups are measured against: in process,
+    ``stock``; a server's first pass, the stock server's first pass
+    (``server-stock@cN``); a server's second (warm) pass, the stock server's
+    second pass, whose prompt cache is as warm (``server-stock-warm@cN``)."""
+    if not arm.startswith("server-"):
+        return "stock"
+    name, _, c = arm.partition("@")
+    warm = "warm" in name.split("-")
+    return ("server-stock-warm@" if warm else "server-stock@") + c
 
 
 WARM_UP = Request("warm-up", "warm-up", "warm-up", 0, {"prompt": "Warm-up."}, "")

@@ -131,6 +131,15 @@ def test_bench_command(tmp_path, tiny_model_path):
     assert "mode: scripted" in result.output
 
 
+def test_every_arm_is_compared_with_its_own_stock_pass():
+    assert bench.baseline_arm("suffix-warm-fixed") == "stock"
+    assert bench.baseline_arm("oracle@64") == "stock"
+    for arm in bench.SERVER_ARMS + bench.SERVER_FIXED_ARMS:
+        warm = arm in ("server-stock-warm", "server-suffix-warm", "server-suffix-warm-fixed")
+        base = "server-stock-warm@c8" if warm else "server-stock@c8"
+        assert bench.baseline_arm(f"{arm}@c8") == base, arm
+
+
 def test_bench_server_arms_and_demo(tmp_path, tiny_model_path, models_dir):
     out = tmp_path / "out"
     result = CliRunner().invoke(
