@@ -313,9 +313,8 @@ class SuffixGenerationBatch(GenerationBatch):
         (:func:`~mlx_lm_suffix.policy.best_batch_lengths`); drop drafts
         shorter than 2 tokens."""
         if self.drafter.cost_aware:
-            scale = self.drafter.calibration.scale
             lengths = best_batch_lengths(
-                [scale(d.probs, d.match_len, d.last, d.source) for d in drafts],
+                [self.drafter.scaled(d) for d in drafts],
                 self.drafter.cost,
                 pipelined=True,
             )

@@ -30,11 +30,15 @@ left unchanged.
 from __future__ import annotations
 
 import bisect
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 NGRAM = 2
 FAR_NGRAM = 8
 REJOIN_SLACK = 64
+# A draft (not yet committed) re-joins the prompt only where it copies this
+# many tokens, its join's n-gram included: the trees' short drafts in text
+# that copies nothing meet the prompt's n-grams by chance.
+DRAFT_REJOIN_RUN = 2 * NGRAM
 
 
 class PromptCopy:
@@ -95,3 +99,18 @@ class PromptCopy:
         if self.pointer is None or limit <= 0:
             return []
         return self.prompt[self.pointer : self.pointer + limit]
+
+    def propose_after(self, tokens: Sequence[int], limit: int) -> Tuple[List[int], int]:
+        """The prompt's next ``limit`` tokens after ``tokens``, were they
+        committed, and the run they would make: where another draft (the
+        trees') re-joins the prompt before the output does, and copies at
+        least :data:`DRAFT_REJOIN_RUN` tokens there (else none). The copy
+        itself is left as it is."""
+        state = (self.pointer, self.run, self._left, self._gap, list(self._tail))
+        try:
+            self.feed(tokens)
+            if self.run < DRAFT_REJOIN_RUN:
+                return [], self.run
+            return self.propose(limit), self.run
+        finally:
+            self.pointer, self.run, self._left, self._gap, self._tail = state

@@ -16,7 +16,7 @@ import os
 import tempfile
 import threading
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
@@ -52,19 +52,24 @@ class Draft:
     """Draft tokens, the probability estimate for each, how many context
     tokens its source matched, the outcome of its request's previous
     verified draft, and its source (see
-    :data:`~mlx_lm_suffix.policy.Calibration.HISTORIES` and ``SOURCES``)."""
+    :data:`~mlx_lm_suffix.policy.Calibration.HISTORIES` and ``SOURCES``).
+    A copy that extends the trees' draft also keeps how many leading tokens
+    the trees drafted (``tree_len``) and from what match (``tree_match``):
+    those are calibrated as the trees' draft, the rest as the copy."""
 
     tokens: List[int] = field(default_factory=list)
     probs: List[float] = field(default_factory=list)
     match_len: int = 0
     last: str = "new"
     source: str = "tree"
+    tree_len: int = 0
+    tree_match: int = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def truncate(self, n: int) -> "Draft":
-        return Draft(self.tokens[:n], self.probs[:n], self.match_len, self.last, self.source)
+        return replace(self, tokens=self.tokens[:n], probs=self.probs[:n])
 
 
 @dataclass
@@ -135,8 +140,9 @@ class SuffixDrafter:
             evicted first). ``0`` disables the global cache.
         max_cached_tokens: Total tokens of cached responses kept (each with
             the prompt tokens kept before it).
-        max_spec_factor, max_spec_offset: A draft is at most
-            ``match_length * max_spec_factor + max_spec_offset`` tokens.
+        max_spec_factor, max_spec_offset: The trees' draft is at most
+            ``match_length * max_spec_factor + max_spec_offset`` tokens
+            (a prompt copy that extends it is capped by ``num_draft_tokens``).
         min_token_prob: Stop a draft at the first token whose estimated
             probability is below this.
         policy: ``"adaptive"`` (default) picks each draft's length to maximise
@@ -297,9 +303,11 @@ class SuffixDrafter:
         policy: the trees' draft, extended by the prompt's continuation where
         the output is copying the prompt (:mod:`~mlx_lm_suffix.copying`) and
         that continuation starts with the trees' draft (or the trees have
-        none). A copy's estimates are the trees' as far as they draft, then
-        the last of them (:data:`COPY_PROB` where the trees have none); its
-        match length is the longer of the trees' match and the copy's run.
+        none), or else where the trees' draft itself would re-join the
+        prompt (the copy goes on from there). A copy's estimates are the
+        trees' as far as they draft, then the last of them (:data:`COPY_PROB`
+        where the trees have none); its match length is the longer of the
+        trees' match and the copy's run.
         With the adaptive policy, the trees' draft is the one from a match of
         at least :data:`~mlx_lm_suffix.policy.LONG_MATCH` context tokens
         where there is one (a repeat; its match length then reads
@@ -348,14 +356,26 @@ class SuffixDrafter:
                     rest = tokens[n:] if tokens[:n] == deep else []
                     probs = list(far.probs) + [min(p, low) for p in probs[n : n + len(rest)]]
                     tokens, match = deep + rest, LONG_MATCH
-            copy = req.copy.propose(limit)
-        draft = Draft(tokens[:limit], probs[:limit], match, req.last)
-        n = len(draft)
+            draft = Draft(tokens[:limit], probs[:limit], match, req.last)
+            n = len(draft)
+            copy, run = req.copy.propose(limit), req.copy.run
+            if n and (len(copy) <= n or copy[:n] != draft.tokens):
+                # Where the trees' draft re-joins the prompt, go on copying.
+                rest, run = req.copy.propose_after(draft.tokens, limit - n)
+                copy = draft.tokens + rest
         if len(copy) <= n or copy[:n] != draft.tokens:
             return draft
         p = draft.probs[-1] if n else COPY_PROB
-        match = max(draft.match_len, req.copy.run)
-        return Draft(copy, draft.probs + [p] * (len(copy) - n), match, req.last, "copy")
+        match = max(draft.match_len, run)
+        probs = draft.probs + [p] * (len(copy) - n)
+        return Draft(copy, probs, match, req.last, "copy", n, draft.match_len)
+
+    def scaled(self, draft: Draft) -> List[float]:
+        """The draft's estimates as the policy's probabilities
+        (:meth:`~mlx_lm_suffix.policy.Calibration.scale`)."""
+        return self.calibration.scale(
+            draft.probs, draft.match_len, draft.last, draft.source, draft.tree_len, draft.tree_match
+        )
 
     def draft(
         self, req_id: int, max_tokens: Optional[int] = None, pipelined: bool = False
@@ -371,9 +391,7 @@ class SuffixDrafter:
         see :func:`~mlx_lm_suffix.policy.best_length`)."""
         draft = self.propose(req_id, max_tokens)
         if self.cost_aware and draft.tokens:
-            probs = self.calibration.scale(
-                draft.probs, draft.match_len, draft.last, draft.source
-            )
+            probs = self.scaled(draft)
             draft = draft.truncate(best_length(probs, self.cost, pipelined=pipelined))
         if pipelined and len(draft) < 2:
             return Draft()
@@ -414,7 +432,13 @@ class SuffixDrafter:
                 self.stats.lengths[drafted] = self.stats.lengths.get(drafted, 0) + 1
                 if draft is not None:
                     self.calibration.update(
-                        probs, accepted, draft.match_len, draft.last, draft.source
+                        probs,
+                        accepted,
+                        draft.match_len,
+                        draft.last,
+                        draft.source,
+                        draft.tree_len,
+                        draft.tree_match,
                     )
                 req = self._active.get(req_id)
                 if req is not None:

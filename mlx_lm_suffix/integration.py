@@ -101,7 +101,8 @@ def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
         "--suffix-max-spec-factor",
         type=float,
         default=DEFAULT_MAX_SPEC_FACTOR,
-        help="A draft is at most match_length * factor + offset tokens. "
+        help="A suffix trees' draft is at most match_length * factor + offset tokens "
+        "(prompt copies are capped by --num-draft-tokens only). "
         f"Default: {DEFAULT_MAX_SPEC_FACTOR}",
     )
     group.add_argument(

@@ -185,9 +185,10 @@ class Calibration:
     length and per band of their own estimate; both also per outcome of the
     request's previous verified draft (``"new"``: none yet, ``"full"``:
     accepted in full, ``"cut"``: rejected partway) and per source of the
-    draft (``"tree"``: the suffix trees; ``"copy"``: the trees' draft
-    extended by a copy of the prompt, see :mod:`~mlx_lm_suffix.copying`,
-    whose estimates past the trees' are a guess).
+    draft (``"tree"``: the suffix trees; ``"copy"``: the tokens of a copy
+    of the prompt past the trees' draft, see :mod:`~mlx_lm_suffix.copying`,
+    whose estimates are a guess; the trees' part of a copy is calibrated as
+    theirs, so copies that fail do not cut the trees' drafts they extend).
 
     The estimates are frequencies in the trees, and the request's own
     occurrence of the matched text counts too, so a continuation seen once
@@ -288,24 +289,46 @@ class Calibration:
             return self._ratio(("first", source, b, last))
         return self._ratio(("tail", source, b, last, self.band(q)))
 
+    def _sources(
+        self, n: int, match_len: int, source: str, tree_len: int, tree_match: int
+    ) -> List[Tuple[str, int]]:
+        """The (source, match length bucket) each of a draft's ``n`` tokens
+        is calibrated in: a copy's first ``tree_len`` tokens, which the
+        trees drafted from a match of ``tree_match``, as the trees'."""
+        own = (source, self.bucket(match_len))
+        if source != "copy" or tree_len <= 0:
+            return [own] * n
+        tree = ("tree", self.bucket(tree_match))
+        return [tree] * min(n, tree_len) + [own] * max(0, n - tree_len)
+
     def scale(
-        self, probs: Sequence[float], match_len: int, last: str = "new", source: str = "tree"
+        self,
+        probs: Sequence[float],
+        match_len: int,
+        last: str = "new",
+        source: str = "tree",
+        tree_len: int = 0,
+        tree_match: int = 0,
     ) -> List[float]:
         """The (cumulative) estimates as probabilities for the policy: the
         first token's scaled by its cell's ratio, each later one's given the
         first (``probs[i] / probs[0]``) by its own cell's, each at most 1
         and at most the one before. ``last``: the history of the request
-        (see :data:`HISTORIES`); ``source``: the draft's (:data:`SOURCES`)."""
+        (see :data:`HISTORIES`); ``source``: the draft's (:data:`SOURCES`);
+        ``tree_len``, ``tree_match``: for a copy, how many leading tokens
+        the trees drafted and from what match (calibrated as theirs)."""
         if not probs or probs[0] <= 0:
             return [0.0] * len(probs)
-        b = self.bucket(match_len)
-        first = min(1.0, self._ratio(("first", source, b, last)) * probs[0])
-        tail = [
-            self._ratio(("tail", source, b, last, i)) for i in range(len(self.BANDS) + 1)
-        ]
+        cells = self._sources(len(probs), match_len, source, tree_len, tree_match)
+        s, b = cells[0]
+        first = min(1.0, self._ratio(("first", s, b, last)) * probs[0])
+        ratios: Dict[tuple, float] = {}
         out, cond = [first], 1.0
-        for q in given_first(probs):
-            cond = min(cond, tail[self.band(q)] * q)
+        for (s, b), q in zip(cells[1:], given_first(probs)):
+            cell = ("tail", s, b, last, self.band(q))
+            if cell not in ratios:
+                ratios[cell] = self._ratio(cell)
+            cond = min(cond, ratios[cell] * q)
             out.append(first * cond)
         return out
 
@@ -316,17 +339,20 @@ class Calibration:
         match_len: int,
         last: str = "new",
         source: str = "tree",
+        tree_len: int = 0,
+        tree_match: int = 0,
     ) -> None:
         """Learn from a verified draft: its tokens' (unscaled) estimates, how
         many of them verification accepted, its request's history and its
-        source."""
+        source (as for :meth:`scale`)."""
         if not probs:
             return
-        b = self.bucket(match_len)
-        self._add(("first", source, b, last), probs[0], min(accepted, 1))
+        cells = self._sources(len(probs), match_len, source, tree_len, tree_match)
+        s, b = cells[0]
+        self._add(("first", s, b, last), probs[0], min(accepted, 1))
         if accepted:
-            for i, q in enumerate(given_first(probs), 1):
-                self._add(("tail", source, b, last, self.band(q)), q, int(accepted > i))
+            for i, ((s, b), q) in enumerate(zip(cells[1:], given_first(probs)), 1):
+                self._add(("tail", s, b, last, self.band(q)), q, int(accepted > i))
 
     def _add(self, cell: tuple, expected: float, accepted: float) -> None:
         for key in (cell, self._pool(cell)):

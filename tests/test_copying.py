@@ -1,7 +1,7 @@
 """Following the output through the prompt (copying.py) and its drafts in
 SuffixDrafter.propose, without a model."""
 
-from mlx_lm_suffix.copying import FAR_NGRAM, PromptCopy
+from mlx_lm_suffix.copying import DRAFT_REJOIN_RUN, FAR_NGRAM, PromptCopy
 from mlx_lm_suffix.drafting import COPY_PROB, SuffixDrafter
 from mlx_lm_suffix.simulate import Record, replay
 from mlx_lm_suffix.verification import accepted_length
@@ -80,6 +80,8 @@ def test_drafts_copy_past_the_trees_limit():
     assert 0 < len(tree.token_ids) <= 4 and list(tree.token_ids) == FILE[42 : 42 + len(tree.token_ids)]
     assert draft.tokens == FILE[42:106] and draft.source == "copy"
     assert draft.match_len == max(2, tree.match_len)
+    assert (draft.tree_len, draft.tree_match) == (len(tree.token_ids), tree.match_len)
+    assert draft.truncate(3).tree_len == draft.tree_len  # the split survives a cut
     assert draft.probs == list(tree.probs) + [tree.probs[-1]] * (64 - len(tree.token_ids))
     assert d.propose(q, 5).tokens == FILE[42:47]  # the caller's cap holds
     assert d.propose(q, 0).tokens == []
@@ -89,16 +91,42 @@ def test_drafts_copy_past_the_trees_limit():
     assert kept.source == "tree" and kept.tokens[:52] == FILE[250:] + [3, 4]
 
 
+def test_a_tree_draft_that_rejoins_the_prompt_goes_on_copying():
+    c = PromptCopy([1, 2] + FILE + [3])
+    # Following tokens not committed yet leaves the copy as it is; they
+    # re-join only where they copy DRAFT_REJOIN_RUN tokens.
+    n = DRAFT_REJOIN_RUN
+    assert c.propose_after(FILE[:n], 3) == (FILE[n : n + 3], n)
+    assert c.propose_after(FILE[: n - 1], 3) == ([], n - 1)
+    assert c.pointer is None and c.propose(3) == [] and c.propose_after([], 3) == ([], 0)
+
+    # The answer's first token occurs twice in the prompt, so the copy
+    # cannot join yet, but the trees match it with the prompt's last token
+    # and draft the file's first tokens: the draft goes on with the file.
+    d = SuffixDrafter(num_draft_tokens=64, max_cached_requests=0)
+    q = d.start([1, 2, 7, 50, 9, 7] + FILE + [3, 9])
+    d.commit(q, [7])
+    tree = d._caches[None].speculate(q, d._active[q].context, 64, 2.0, 0.0, 0.1)
+    draft = d.propose(q)
+    assert d._active[q].copy.pointer is None
+    assert 2 <= len(tree.token_ids) <= 4 and list(tree.token_ids) == FILE[: len(tree.token_ids)]
+    assert draft.tokens == FILE[:64] and draft.source == "copy"
+    assert draft.tree_len == len(tree.token_ids) and draft.tree_match == tree.match_len
+    assert d.propose(q, 10).tokens == FILE[:10]
+
+
 def test_the_trees_draft_wins_a_disagreement_and_copies_alone_get_an_estimate():
     d = SuffixDrafter(max_cached_requests=0)
     prompt = FILE[:100] + [7, 8, 500, 501, 502] + FILE[100:] + [5, 5, 7, 8] + list(range(600, 610))
     q = d.start(prompt)
     d.commit(q, FILE[:100] + [5, 5, 7, 8])  # copied, then an edit
     # The copy re-joined where the output left, where 500 follows (7, 8); the
-    # trees' longest match says 600. Their draft is kept.
+    # trees' longest match says 600. Their draft is kept, and goes on with
+    # the prompt from where it re-joins it.
     assert d._active[q].copy.propose(1) == [500]
     draft = d.propose(q)
-    assert draft.source == "tree" and draft.tokens[:3] == [600, 601, 602]
+    assert draft.tokens[:3] == [600, 601, 602] and 3 <= draft.tree_len < 10
+    assert draft.tokens == list(range(600, 610)) and draft.source == "copy"
 
     # (7, 8) is followed by 13 different tokens: the trees rate each below
     # min_token_prob and draft nothing; the copy drafts at COPY_PROB.
@@ -112,6 +140,7 @@ def test_the_trees_draft_wins_a_disagreement_and_copies_alone_get_an_estimate():
     assert len(tree.token_ids) == 0
     assert draft.tokens == prompt[102:166] and draft.source == "copy"
     assert draft.probs == [COPY_PROB] * 64 and draft.match_len == max(2, tree.match_len)
+    assert draft.tree_len == 0
 
 
 def test_copying_shortens_a_replayed_edit(monkeypatch):

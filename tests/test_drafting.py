@@ -13,12 +13,16 @@ from mlx_lm_suffix.policy import LONG_MATCH
 def test_drafts_from_prompt_and_from_earlier_response():
     d = SuffixDrafter(num_draft_tokens=8, max_spec_factor=1.0)
     text = [5, 6, 7, 8, 9, 10, 11, 12]
-    r = d.start(text + [1, 2] + text[:3])
+    prompt = text + [1, 2] + text[:3]
+    r = d.start(prompt)
     # From its own prompt; at most match_length * max_spec_factor tokens.
     assert d.draft(r).tokens == text[3:6]
     assert d.propose(r).match_len == 3
     e = SuffixDrafter()  # the default factor, 2
-    assert e.draft(e.start(text + [1, 2] + text[:3])).tokens == [8, 9, 10, 11, 12, 1]
+    draft = e.draft(e.start(prompt))
+    # A draft that copies the prompt long enough goes on copying it.
+    assert draft.tokens[: draft.tree_len] == [8, 9, 10, 11, 12, 1]
+    assert draft.tokens == prompt[3:] and draft.source == "copy"
     d.finish(r)
     r1 = d.start([40, 41])
     d.commit(r1, [20, 21, 22, 23, 24, 25, 26, 27, 28, 29])

@@ -235,6 +235,30 @@ def test_copies_are_trusted_apart_from_the_trees():
     )
 
 
+def test_the_trees_part_of_a_copy_is_calibrated_as_the_trees():
+    # Copies keep failing after their first token, the trees' drafts keep
+    # paying: a copy that extends a tree draft keeps the trees' trust for
+    # their part (first token and tail), and only its copied tail is cut.
+    c = Calibration()
+    for _ in range(50):
+        c.update([0.5] * 8, accepted=8, match_len=20, source="tree")
+        c.update([0.5] * 12, accepted=1, match_len=20, source="copy")
+    tree = c.scale([0.5] * 8, 20, source="tree")
+    mixed = c.scale([0.5] * 12, 20, source="copy", tree_len=8, tree_match=20)
+    assert mixed[:8] == pytest.approx(tree)
+    assert mixed[8] < mixed[7]  # the copy's tail is trusted less
+    assert best_length(mixed, MID) >= 8
+    # Calibrated as a copy throughout, the draft would keep one token.
+    assert best_length(c.scale([0.5] * 12, 20, source="copy"), MID) == 1
+    # Learning splits the same way: a copy rejected past the trees' part
+    # teaches the trees' cells that their part was right.
+    d = Calibration()
+    d.update([0.5] * 12, accepted=8, match_len=20, source="copy", tree_len=8, tree_match=20)
+    assert d.expected[("first", "tree", d.bucket(20), "new")] == 0.5
+    assert ("first", "copy", d.bucket(20), "new") not in d.expected
+    assert d.accepted[("tail", "copy", d.bucket(20), "new", d.band(1.0))] == 0
+
+
 def test_drafts_carry_their_requests_history():
     d = SuffixDrafter(cost=FLAT)
     q = d.start(list(range(10, 40)) * 2)
