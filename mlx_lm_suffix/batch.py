@@ -326,8 +326,7 @@ class SuffixGenerationBatch(GenerationBatch):
             return []
         if not self._can_draft():
             return super().next()
-        if getattr(self.drafter, "policy", "fixed") == "adaptive":
-            self.drafter.ensure_cost(self.model)  # once per drafter
+        self.drafter.ensure_cost(self.model)  # adaptive policy: once per drafter
         # The stock pipelined step: emits the pending tokens and queues the
         # forward after them, which the drafting below overlaps.
         responses = super().next()
@@ -412,7 +411,7 @@ class SuffixGenerationBatch(GenerationBatch):
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         sampled = self._sample(logprobs)
         mx.eval(sampled, logprobs)
-        if getattr(self.drafter, "cost", None) is not None:
+        if self.drafter.cost is not None:
             self.drafter.cost.observe(inputs.size, time.perf_counter() - tic, rows=B)
         targets = sampled.tolist()
 

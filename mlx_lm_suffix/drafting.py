@@ -363,7 +363,8 @@ class SuffixDrafter:
                 # Where the trees' draft re-joins the prompt, go on copying.
                 rest, run = req.copy.propose_after(draft.tokens, limit - n)
                 copy = draft.tokens + rest
-        if len(copy) <= n or copy[:n] != draft.tokens:
+        # The copy starts with the trees' draft now (or there is none).
+        if len(copy) <= n:
             return draft
         p = draft.probs[-1] if n else COPY_PROB
         match = max(draft.match_len, run)
