@@ -33,6 +33,15 @@ One call of :meth:`~SuffixGenerationBatch.next`, for a batch of ``B`` rows:
    finishing token, and its returned KV cache and ``all_tokens`` are trimmed
    to the tokens it emitted.
 
+With the adaptive policy, a batch of one row whose last step waited for its
+forward (a verification, or a first-token check: the pending token is known
+and nothing is computing) first drafts after ``p`` and, where the draft's
+first token is likely enough
+(:func:`~mlx_lm_suffix.policy.unpipelined_length`), feeds ``[p] + d`` in one
+forward instead of steps 1-4 (the in-process loop of
+:mod:`~mlx_lm_suffix.generation` does the same); otherwise that draft is the
+one step 2 uses.
+
 Invariants kept between steps (the same as stock): ``self.tokens[i]`` equals
 the tokens in row ``i``'s KV cache, which are the prompt plus every emitted
 token; the pending token is not in the cache.
@@ -52,8 +61,13 @@ from mlx_lm.models.cache import TokenBuffer, trim_prompt_cache
 
 from .drafting import Draft, SuffixDrafter
 from .generation import context_limit
-from .policy import best_batch_lengths
-from .verification import accepted_length, can_rollback_batch, rollback_batch
+from .policy import best_batch_lengths, unpipelined_length
+from .verification import (
+    accepted_length,
+    batch_length_bound,
+    can_rollback_batch,
+    rollback_batch,
+)
 
 __all__ = [
     "BatchDraftStats",
@@ -107,6 +121,7 @@ class BatchDraftStats:
     """Counters of a suffix batch: forwards by kind and batch sizes seen."""
 
     verify_steps: int = 0
+    unpipelined_steps: int = 0
     plain_steps: int = 0
     verify_rows: int = 0
     max_batch_size: int = 0
@@ -125,6 +140,7 @@ class BatchDraftStats:
     def merge(self, other: "BatchDraftStats") -> None:
         for k in (
             "verify_steps",
+            "unpipelined_steps",
             "plain_steps",
             "verify_rows",
             "uneven_rollbacks",
@@ -165,6 +181,11 @@ class SuffixGenerationBatch(GenerationBatch):
         self._req: List[Optional[int]] = [None] * len(uids)
         self._k: List[int] = [0] * len(uids)
         self._usage: List[Optional[RequestUsage]] = [None] * len(uids)
+        # The pending tokens are known and nothing is computing (the last
+        # step verified drafts, or waited for the plain forward to check them).
+        self._settled = False
+        # The pending tokens are committed to the drafter already.
+        self._pending_committed = False
         super().__init__(*args, **kwargs)
 
     @classmethod
@@ -187,6 +208,7 @@ class SuffixGenerationBatch(GenerationBatch):
     def extend(self, batch: GenerationBatch) -> None:
         n0 = len(self.uids)
         super().extend(batch)
+        self._settled = False
         if isinstance(batch, SuffixGenerationBatch):
             self._req.extend(batch._req)
             self._k.extend(batch._k)
@@ -261,9 +283,9 @@ class SuffixGenerationBatch(GenerationBatch):
     def _step(self) -> Tuple[List[int], List[mx.array]]:
         # The stock single-token step; feed the emitted tokens to the drafters.
         tokens, logprobs = super()._step()
-        for req, t in zip(self._req, tokens):
-            if req is not None:
-                self.drafter.commit(req, [t])
+        if not self._pending_committed:
+            self._commit(tokens)
+        self._pending_committed = False
         zeros = [0] * len(tokens)
         self._record(zeros, zeros)
         self.draft_stats.plain_steps += 1
@@ -287,25 +309,28 @@ class SuffixGenerationBatch(GenerationBatch):
             return False
         return True
 
-    def _drafts(self) -> List[Draft]:
-        """Each row's draft after its last emitted token, whose successor the
-        queued forward is computing: that forward checks the first draft
-        token, so a draft needs 2 tokens or more to gain anything. Capped by
-        the row's ``num_draft_tokens``, remaining ``max_tokens`` and the
-        context limit; with the adaptive policy, cut to the batch width that
-        would pay if every row's first token is confirmed."""
-        offsets = None
+    def _commit(self, tokens: Sequence[int]) -> None:
+        for req, t in zip(self._req, tokens):
+            if req is not None:
+                self.drafter.commit(req, [t])
+
+    def _propose(self, ahead: int = 0) -> List[Draft]:
+        """Each row's draft after its committed tokens, capped by the row's
+        ``num_draft_tokens``, remaining ``max_tokens`` and the context limit.
+        ``ahead``: committed tokens not emitted nor fed to the cache yet (the
+        pending token, when drafting after it before its step)."""
+        context_room = None
         if self.max_context is not None:
-            offsets = self.prompt_cache[0].offset.tolist()
+            # Rows shorter than the longest (left padded) get less room.
+            context_room = self.max_context - batch_length_bound(self.prompt_cache) - ahead
         drafts: List[Draft] = []
         for i, (req, k) in enumerate(zip(self._req, self._k)):
-            # The draft replaces the next pending token and what follows it.
-            room = self.max_tokens[i] - self._num_tokens[i]
-            if offsets is not None:
-                room = min(room, self.max_context - offsets[i])
+            room = self.max_tokens[i] - self._num_tokens[i] - ahead
+            if context_room is not None:
+                room = min(room, context_room)
             k = min(k, room)
             drafts.append(self.drafter.propose(req, k) if req is not None and k > 1 else Draft())
-        return self._cut(drafts)
+        return drafts
 
     def _cut(self, drafts: List[Draft]) -> List[Draft]:
         """With the adaptive policy, cut the drafts to the one batch width at
@@ -324,19 +349,36 @@ class SuffixGenerationBatch(GenerationBatch):
     def next(self) -> List[GenerationBatch.Response]:
         if not self.uids:
             return []
+        settled, self._settled = self._settled, False
         if not self._can_draft():
             return super().next()
         self.drafter.ensure_cost(self.model)  # adaptive policy: once per drafter
+        early = None
+        if settled and self.drafter.cost_aware and len(self.uids) == 1:
+            # One row, its pending token known and nothing computing: draft
+            # after that token now, and verify both in one forward where the
+            # draft's first token is likely enough (policy.unpipelined_length).
+            pending = self._next_tokens.tolist()
+            self._commit(pending)
+            self._pending_committed = True
+            early = self._propose(ahead=1)
+            n = unpipelined_length(self.drafter.scaled(early[0]), self.drafter.cost)
+            if n > 0:
+                self._pending_committed = False
+                return self._verify(pending, [early[0].truncate(n)], confirmed=False)
         # The stock pipelined step: emits the pending tokens and queues the
-        # forward after them, which the drafting below overlaps.
+        # forward after them, which the drafting below overlaps. That
+        # forward checks each draft's first token, so a draft needs 2 tokens
+        # or more to gain anything.
         responses = super().next()
         if not self.uids or not self._can_draft():
             return responses
-        drafts = self._drafts()
+        drafts = self._cut(early if early is not None else self._propose())
         if not any(drafts):
             return responses
         # Wait for the queued forward: its tokens check each draft's first.
         nxt = self._next_tokens.tolist()
+        self._settled = True
         for i, (d, t) in enumerate(zip(drafts, nxt)):
             if d and d.tokens[0] != t:
                 self._record_miss(i, d)
@@ -345,9 +387,7 @@ class SuffixGenerationBatch(GenerationBatch):
         drafts = self._cut(drafts)
         if not any(drafts):
             return responses
-        for req, t in zip(self._req, nxt):
-            if req is not None:
-                self.drafter.commit(req, [t])
+        self._commit(nxt)
         return responses + self._verify(nxt, drafts)
 
     def _record_miss(self, i: int, draft: Draft) -> None:
@@ -391,13 +431,15 @@ class SuffixGenerationBatch(GenerationBatch):
         return mx.stack([s(logprobs[i]) for i, s in enumerate(samplers)])
 
     def _verify(
-        self, pending: List[int], checked: List[Draft]
+        self, pending: List[int], checked: List[Draft], confirmed: bool = True
     ) -> List[GenerationBatch.Response]:
-        """Feed every row's pending token plus the rest of its draft
-        (right-padded) in one forward and emit what each row accepts.
-        ``checked[i]``: row ``i``'s whole draft when the plain forward
-        confirmed its first token (the pending token), else empty."""
-        drafts = [c.tokens[1:] for c in checked]
+        """Feed every row's pending token plus its draft (right-padded) in one
+        forward and emit what each row accepts. ``confirmed``: the plain
+        forward confirmed the first token of each ``checked[i]`` (row ``i``'s
+        whole draft, or empty), which is the pending token, so the rest is
+        fed; else the whole drafts follow the pending tokens."""
+        first = 1 if confirmed else 0
+        drafts = [c.tokens[first:] for c in checked]
         B = len(self.uids)
         K = max(len(d) for d in drafts)
         inputs = mx.array(
@@ -420,6 +462,7 @@ class SuffixGenerationBatch(GenerationBatch):
         rollback_batch(self.prompt_cache, rejected)
         stats = self.draft_stats
         stats.verify_steps += 1
+        stats.unpipelined_steps += 1 - first
         stats.verify_rows += B
         stats.max_batch_size = max(stats.max_batch_size, B)
         stats.max_verify_batch_size = max(stats.max_verify_batch_size, B)
@@ -482,12 +525,13 @@ class SuffixGenerationBatch(GenerationBatch):
 
         self._record(
             [len(c) for c in checked],
-            [a + 1 if c else 0 for a, c in zip(accepted, checked)],
-            [u + 1 if c else 0 for u, c in zip(used, checked)],
+            [a + first if c else 0 for a, c in zip(accepted, checked)],
+            [u + first if c else 0 for u, c in zip(used, checked)],
             checked,
         )
         if len(keep) < B:
             self.filter(keep)
+        self._settled = True
         return responses
 
     def _maybe_compact(self) -> None:

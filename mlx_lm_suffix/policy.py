@@ -456,9 +456,22 @@ def best_batch_lengths(
     for the wider forward, and the request that finishes last is the one
     that gained least (rows that gain finish early), so a verification that
     only breaks even on the batch's token count slows the batch down."""
+    width, _ = _best_width(probs, cost, pipelined)
+    if pipelined:
+        tails = [given_first(p) for p in probs]
+        return [min(len(t), width) + 1 if width and t else 0 for t in tails]
+    return [min(len(p), width) for p in probs]
+
+
+def _best_width(
+    probs: List[Sequence[float]], cost: VerifyCost, pipelined: bool
+) -> Tuple[int, float]:
+    """The batch width of :func:`best_batch_lengths` (of the tails, when
+    ``pipelined``) and the time it saves against plain steps (0 if none
+    pays)."""
     B = len(probs)
     if B == 0:
-        return []
+        return 0, 0.0
     plain = cost(B)
     sunk_tokens = sunk_cost = 0.0
     if pipelined:
@@ -475,8 +488,24 @@ def best_batch_lengths(
         saved = gain / ref - step
         if saved > best_saved:
             best_k, best_saved = k, saved
-    lengths = [min(len(p), best_k) for p in probs]
-    return [n + 1 if n else 0 for n in lengths] if pipelined else lengths
+    return best_k, best_saved
+
+
+def unpipelined_length(probs: Sequence[float], cost: VerifyCost) -> int:
+    """For one sequence whose next token is known and whose cache is idle
+    (its last step verified a draft, or synced to check one): the draft
+    length to verify in one forward together with that token, or ``0`` to
+    take the pipelined way (a plain step over the token, which checks the
+    draft's first token, then the rest if it was right; see
+    :func:`best_batch_lengths`) because that saves more time in
+    expectation. Verifying at once saves the plain step when the draft's
+    first token is right and wastes the draft's positions when it is not,
+    so it is for drafts whose first token is likely."""
+    if not probs:
+        return 0
+    now, saved_now = _best_width([probs], cost, pipelined=False)
+    _, saved_after = _best_width([probs], cost, pipelined=True)
+    return now if now and saved_now > probs[0] * saved_after else 0
 
 
 def histogram(lengths: Dict[int, int]) -> Dict[str, int]:

@@ -52,6 +52,17 @@ def rollback(cache: List[Any], rejected: int) -> None:
             )
 
 
+def batch_length_bound(cache: List[Any]) -> int:
+    """The length of the longest row of a batch cache, read without waiting
+    for the forwards queued on it: mlx-lm 0.32.2's ``BatchKVCache`` keeps
+    each row's length in ``offset``, an array that the queued forward's own
+    update produces (reading it waits for that), and the filled length of
+    its buffer, which bounds every row's, in the int ``_idx``."""
+    c = cache[0]
+    idx = getattr(c, "_idx", None)
+    return idx if isinstance(idx, int) else max(c.offset.tolist())
+
+
 def batch_rollback_plan(rejected: Sequence[int]) -> Tuple[int, List[int]]:
     """Split per-row rejections into one trim shared by all rows and each
     row's remaining count, which is rolled into its left padding."""

@@ -13,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 from test_generation import WrongFirstToken
 
-from mlx_lm_suffix.batch import RequestUsage, RowOptions, SuffixBatchGenerator
+from mlx_lm_suffix.batch import BatchDraftStats, RequestUsage, RowOptions, SuffixBatchGenerator
 from mlx_lm_suffix.drafting import SuffixDrafter
 from mlx_lm_suffix.policy import VerifyCost
 
@@ -448,3 +448,35 @@ def test_adaptive_policy_picks_one_width_per_batch(model_and_tokenizer, prompts)
         lengths[name] = d.stats.drafted / max(d.stats.draft_steps, 1)
         assert d.cost.points[1] > 0
     assert lengths["cheap"] > 1 and lengths["cheap"] > lengths["dear"]
+
+
+def test_one_row_verifies_a_likely_draft_with_its_pending_token(model_and_tokenizer, prompts):
+    """A batch of one row whose last step verified (nothing computing) feeds
+    its pending token and a likely draft in one forward; the output stays
+    stock's, also when ``max_tokens`` ends inside a draft and with logits
+    processors, and the row's tokens are what its cache holds after every
+    step."""
+    model, tokenizer = model_and_tokenizer
+    procs = make_logits_processors(repetition_penalty=1.3, repetition_context_size=12)
+    for max_tokens, lp in ((MAX_TOKENS, []), (13, procs)):
+        # Verification at about the cost of a plain step: a likely draft is
+        # verified with the pending token, not after a plain step.
+        drafter = SuffixDrafter(
+            policy="adaptive", cost=VerifyCost({1: 1.0, 256: 1.05}, smoothing=0)
+        )
+        stats = BatchDraftStats()
+        for round_ in range(2):  # the second round drafts whole answers
+            for p in prompts:
+                ref, _ = _stock_run(model, tokenizer, [p], [max_tokens], logits_processors=[lp])
+                gen = _suffix_gen(model, tokenizer, drafter, stats=stats)
+                gen.insert([p], [max_tokens], logits_processors=[lp])
+                batch = gen._generation_batch
+                tokens = []
+                while responses := gen.next_generated():
+                    tokens += [r.token for r in responses]
+                    if len(batch):
+                        assert [len(t) for t in batch.tokens] == batch.prompt_cache[0].offset.tolist()
+                gen.close()
+                assert tokens == ref[0], (max_tokens, round_)
+        assert drafter.stats.accepted > 0
+        assert stats.unpipelined_steps > 0 and stats.max_verify_batch_size == 1

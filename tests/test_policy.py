@@ -15,6 +15,7 @@ from mlx_lm_suffix.policy import (
     best_length,
     expected_accepted,
     given_first,
+    unpipelined_length,
 )
 
 FLAT = VerifyCost({1: 1.0, 16: 1.1, 32: 1.6, 64: 3.0})  # GPU-like: cheap up to 16
@@ -355,6 +356,26 @@ def test_batch_verification_must_clearly_pay(monkeypatch):
     assert best_batch_lengths(rows[:1], cost, pipelined=True) == [2]
     # When every row gains, the batch verifies.
     assert best_batch_lengths([[1.0, 1.0]] * 8, cost, pipelined=True) == [2] * 8
+
+
+def test_one_sequence_verifies_a_likely_draft_with_its_known_token():
+    # This machine's curve: a 2-token forward costs 1.28 plain steps, so the
+    # pipelined way (a plain step, then the tail) pays for two forwards.
+    cost = VerifyCost({1: 1.0, 2: 1.28, 4: 1.76, 8: 1.88, 16: 1.98, 32: 3.36})
+    # A likely draft: one forward over the known token and the draft saves
+    # the plain step.
+    assert unpipelined_length([0.9, 0.85, 0.8, 0.75], cost) == 4
+    # A draft whose first token is seldom right: a plain step checks it for
+    # free; verifying at once would mostly waste its positions.
+    assert unpipelined_length([0.15, 0.15, 0.15, 0.15], cost) == 0
+    # Neither way pays for an unlikely draft; nothing to draft, nothing.
+    assert unpipelined_length([0.1, 0.01], cost) == 0
+    assert unpipelined_length([], cost) == 0
+    # Where a forward over more tokens costs about as much as one, even a
+    # fair first token is worth verifying at once (a miss costs nothing).
+    assert unpipelined_length([0.5] * 8, VerifyCost({1: 1.0, 256: 1.0})) == 8
+    # Where every token costs a full step, nothing pays at once.
+    assert unpipelined_length([1.0] * 8, LINEAR) == 0
 
 
 def test_drafter_applies_policy_and_records_stats():
