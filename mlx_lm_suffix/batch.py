@@ -61,7 +61,7 @@ from mlx_lm.models.cache import TokenBuffer, trim_prompt_cache
 
 from .drafting import Draft, SuffixDrafter
 from .generation import context_limit
-from .policy import best_batch_lengths, check_pays, unpipelined_length
+from .policy import best_batch_lengths, unpipelined_length
 from .verification import (
     accepted_length,
     batch_length_bound,
@@ -332,18 +332,17 @@ class SuffixGenerationBatch(GenerationBatch):
             drafts.append(self.drafter.propose(req, k) if req is not None and k > 1 else Draft())
         return drafts
 
-    def _cut(self, drafts: List[Draft], check: bool = False) -> List[Draft]:
+    def _cut(self, drafts: List[Draft]) -> List[Draft]:
         """With the adaptive policy, cut the drafts to the one batch width at
         which their tails (given a confirmed first token) save the most time
-        (:func:`~mlx_lm_suffix.policy.best_batch_lengths`), and, ``check``:
-        to nothing unless that is worth waiting for the queued forward to
-        check their first tokens (:func:`~mlx_lm_suffix.policy.check_pays`);
-        drop drafts shorter than 2 tokens."""
+        (:func:`~mlx_lm_suffix.policy.best_batch_lengths`); drop drafts
+        shorter than 2 tokens."""
         if self.drafter.cost_aware:
-            probs = [self.drafter.scaled(d) for d in drafts]
-            lengths = best_batch_lengths(probs, self.drafter.cost, pipelined=True)
-            if check and not check_pays(probs, lengths, self.drafter.cost):
-                lengths = [0] * len(drafts)
+            lengths = best_batch_lengths(
+                [self.drafter.scaled(d) for d in drafts],
+                self.drafter.cost,
+                pipelined=True,
+            )
             drafts = [d.truncate(n) for d, n in zip(drafts, lengths)]
         return [d if len(d) > 1 else Draft() for d in drafts]
 
@@ -374,14 +373,11 @@ class SuffixGenerationBatch(GenerationBatch):
         responses = super().next()
         if not self.uids or not self._can_draft():
             return responses
-        drafts = self._cut(early if early is not None else self._propose(), check=True)
+        drafts = self._cut(early if early is not None else self._propose())
         if not any(drafts):
             return responses
         # Wait for the queued forward: its tokens check each draft's first.
-        tic = time.perf_counter()
         nxt = self._next_tokens.tolist()
-        if self.drafter.cost is not None:
-            self.drafter.cost.observe_wait(time.perf_counter() - tic, rows=len(nxt))
         self._settled = True
         for i, (d, t) in enumerate(zip(drafts, nxt)):
             if d and d.tokens[0] != t:

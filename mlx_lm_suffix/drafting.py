@@ -240,7 +240,6 @@ class SuffixDrafter:
                 batch_cost_factors=(
                     self.cost.batch_relative() if self.cost is not None else None
                 ),
-                check_wait_s=self.cost.wait if self.cost is not None else None,
                 active_requests=self.active_requests,
                 cached_requests=self.cached_requests,
                 cached_tokens=self.cached_tokens,

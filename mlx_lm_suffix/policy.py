@@ -38,13 +38,7 @@ class VerifyCost:
     and samples and runs its logits processors per position), or of the
     same widths with other rows, or 1 until one is seen. ``smoothing`` is the weight
     :meth:`observe` gives a real step once there are enough of them (0:
-    nothing is learnt).
-
-    ``wait``: the seconds a batch step waits for its queued plain forward
-    when it checks drafts' first tokens, learnt by :meth:`observe_wait`: an
-    upper bound on what the check costs (the host work after it, which the
-    pipelined step would overlap with that forward, now follows it; see
-    :func:`check_pays`)."""
+    nothing is learnt)."""
 
     def __init__(self, points: Dict[int, float], smoothing: float = 0.1):
         if not points or 1 not in points:
@@ -55,8 +49,6 @@ class VerifyCost:
         self._envelope()
         # (rows, width bucket) -> [factor, steps seen]
         self.batch_factors: Dict[Tuple[int, int], List[float]] = {}
-        self.wait = 0.0
-        self._waits_seen = 0
 
     def _envelope(self) -> None:
         """Keep the curve physical: a forward over more tokens never costs
@@ -130,16 +122,6 @@ class VerifyCost:
         scaled = seconds * self.points[near] / max(self(n), 1e-12)
         self.points[near] += self.smoothing * (scaled - self.points[near])
         self._envelope()
-
-    def observe_wait(self, seconds: float, rows: int = 1) -> None:
-        """Learn how long a check of ``rows`` rows' drafts waited for their
-        plain forward (the mean of the first checks, then a moving average;
-        a sample counts up to that forward's time)."""
-        if not self.smoothing:
-            return
-        self._waits_seen += 1
-        weight = max(self.smoothing, 1.0 / self._waits_seen)
-        self.wait += weight * (min(seconds, self(rows)) - self.wait)
 
     def relative(self) -> Dict[int, float]:
         """Costs relative to a one-token forward (for stats and reports)."""
@@ -507,30 +489,6 @@ def _best_width(
         if saved > best_saved:
             best_k, best_saved = k, saved
     return best_k, best_saved
-
-
-def check_pays(
-    probs: List[Sequence[float]], lengths: Sequence[int], cost: VerifyCost
-) -> bool:
-    """Whether the rows' drafts, cut to ``lengths`` by
-    :func:`best_batch_lengths` (pipelined), are worth checking: checking
-    waits for the queued plain forward (about ``cost.wait``; the host work
-    after the step then follows that forward instead of overlapping it),
-    while the verification after it saves time only for the rows whose
-    first token that forward confirms. So the time it would save with every
-    first token confirmed, weighted by the share of its expected tokens
-    whose rows' first tokens are right (``probs[i][0]``), must exceed
-    ``cost.wait``."""
-    if not any(lengths):
-        return False
-    if cost.wait <= 0:
-        return True
-    width, saved = _best_width(probs, cost, pipelined=True)
-    gains = [
-        (p[0], 1 + expected_accepted(given_first(p), width)) for p, n in zip(probs, lengths) if n
-    ]
-    confirmed = sum(p0 * g for p0, g in gains) / sum(g for _, g in gains)
-    return saved * confirmed > cost.wait
 
 
 def unpipelined_length(probs: Sequence[float], cost: VerifyCost) -> int:

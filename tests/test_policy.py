@@ -13,7 +13,6 @@ from mlx_lm_suffix.policy import (
     VerifyCost,
     best_batch_lengths,
     best_length,
-    check_pays,
     expected_accepted,
     given_first,
     unpipelined_length,
@@ -357,34 +356,6 @@ def test_batch_verification_must_clearly_pay(monkeypatch):
     assert best_batch_lengths(rows[:1], cost, pipelined=True) == [2]
     # When every row gains, the batch verifies.
     assert best_batch_lengths([[1.0, 1.0]] * 8, cost, pipelined=True) == [2] * 8
-
-
-def test_checking_drafts_must_pay_for_the_wait():
-    # Waiting for the plain forward to check first tokens costs `wait`; the
-    # verification after it gains only for the rows whose first token is
-    # right. Nothing learnt yet (wait 0): every draft worth verifying is
-    # checked, as before.
-    cost = VerifyCost({1: 1.0, 2: 1.28, 4: 1.76, 8: 1.88, 16: 1.98, 32: 3.36})
-    sure, unlikely = [0.95] * 8, [0.01, 0.01, 0.01, 0.01]
-    for rows in ([sure], [unlikely], [sure] + [unlikely] * 7):
-        lengths = best_batch_lengths(rows, cost, pipelined=True)
-        assert any(lengths) and check_pays(rows, lengths, cost)
-    assert not check_pays([sure], [0], cost)
-    # Waits are learnt (the mean of the first, then a moving average, each
-    # at most the plain forward's time)...
-    cost.observe_wait(0.02, rows=1)
-    cost.observe_wait(0.06, rows=1)
-    assert cost.wait == pytest.approx(0.04)
-    # ...and then a draft whose first token is seldom right is not worth the
-    # wait, a sure one is, and in a batch the sure row carries the others.
-    for rows, pays in (([sure], True), ([unlikely], False), ([sure] + [unlikely] * 7, True)):
-        assert check_pays(rows, best_batch_lengths(rows, cost, pipelined=True), cost) == pays
-    cost.observe_wait(50.0, rows=1)
-    assert cost.wait <= cost(1)
-    # A cost curve that learns nothing (smoothing 0) keeps its wait.
-    frozen = VerifyCost({1: 1.0}, smoothing=0)
-    frozen.observe_wait(0.5)
-    assert frozen.wait == 0.0
 
 
 def test_one_sequence_verifies_a_likely_draft_with_its_known_token():
