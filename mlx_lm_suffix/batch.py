@@ -15,7 +15,10 @@ One call of :meth:`~SuffixGenerationBatch.next`, for a batch of ``B`` rows:
    ``d_i`` after it, capped by the row's remaining ``max_tokens``, the context
    limit and its own ``num_draft_tokens``; with the drafter's adaptive policy,
    one width for the whole batch is chosen from the drafts' probabilities and
-   the measured verification cost. No draft: done, the step stayed pipelined.
+   the measured verification cost. No draft, or (adaptive) drafts whose
+   first tokens are too unlikely to pay for what waiting for the forward
+   costs (:func:`~mlx_lm_suffix.policy.check_pays`): done, the step stayed
+   pipelined.
 3. Otherwise wait for the ``s_i``: a draft whose first token differs from
    ``s_i`` is dropped at no further cost. If any row's draft survives, every
    row's ``[s_i] + d_i[1:]`` is right-padded to the longest ``1 + K`` and the
@@ -61,7 +64,7 @@ from mlx_lm.models.cache import TokenBuffer, trim_prompt_cache
 
 from .drafting import Draft, SuffixDrafter
 from .generation import context_limit
-from .policy import best_batch_lengths, unpipelined_length
+from .policy import best_batch_lengths, check_pays, unpipelined_length
 from .verification import (
     accepted_length,
     batch_length_bound,
@@ -123,6 +126,7 @@ class BatchDraftStats:
     verify_steps: int = 0
     unpipelined_steps: int = 0
     plain_steps: int = 0
+    check_steps: int = 0
     verify_rows: int = 0
     max_batch_size: int = 0
     max_verify_batch_size: int = 0
@@ -142,6 +146,7 @@ class BatchDraftStats:
             "verify_steps",
             "unpipelined_steps",
             "plain_steps",
+            "check_steps",
             "verify_rows",
             "uneven_rollbacks",
             "compactions",
@@ -186,6 +191,10 @@ class SuffixGenerationBatch(GenerationBatch):
         self._settled = False
         # The pending tokens are committed to the drafter already.
         self._pending_committed = False
+        # A check that verified nothing: (its wait, when the wait ended), to
+        # time the host work that followed it (VerifyCost.observe_check).
+        self._check: Optional[Tuple[float, float]] = None
+        self._last_check: Optional[Tuple[float, float]] = None
         super().__init__(*args, **kwargs)
 
     @classmethod
@@ -209,6 +218,7 @@ class SuffixGenerationBatch(GenerationBatch):
         n0 = len(self.uids)
         super().extend(batch)
         self._settled = False
+        self._check = None  # prompts were processed since
         if isinstance(batch, SuffixGenerationBatch):
             self._req.extend(batch._req)
             self._k.extend(batch._k)
@@ -283,6 +293,11 @@ class SuffixGenerationBatch(GenerationBatch):
     def _step(self) -> Tuple[List[int], List[mx.array]]:
         # The stock single-token step; feed the emitted tokens to the drafters.
         tokens, logprobs = super()._step()
+        if self._last_check is not None:
+            wait, since = self._last_check
+            self._last_check = None
+            if self.drafter.cost is not None:
+                self.drafter.cost.observe_check(wait, time.perf_counter() - since)
         if not self._pending_committed:
             self._commit(tokens)
         self._pending_committed = False
@@ -332,17 +347,18 @@ class SuffixGenerationBatch(GenerationBatch):
             drafts.append(self.drafter.propose(req, k) if req is not None and k > 1 else Draft())
         return drafts
 
-    def _cut(self, drafts: List[Draft]) -> List[Draft]:
+    def _cut(self, drafts: List[Draft], check: bool = False) -> List[Draft]:
         """With the adaptive policy, cut the drafts to the one batch width at
         which their tails (given a confirmed first token) save the most time
-        (:func:`~mlx_lm_suffix.policy.best_batch_lengths`); drop drafts
+        (:func:`~mlx_lm_suffix.policy.best_batch_lengths`), and, ``check``:
+        to nothing unless that is worth what checking their first tokens
+        costs (:func:`~mlx_lm_suffix.policy.check_pays`); drop drafts
         shorter than 2 tokens."""
         if self.drafter.cost_aware:
-            lengths = best_batch_lengths(
-                [self.drafter.scaled(d) for d in drafts],
-                self.drafter.cost,
-                pipelined=True,
-            )
+            probs = [self.drafter.scaled(d) for d in drafts]
+            lengths = best_batch_lengths(probs, self.drafter.cost, pipelined=True)
+            if check and not check_pays(probs, lengths, self.drafter.cost):
+                lengths = [0] * len(drafts)
             drafts = [d.truncate(n) for d, n in zip(drafts, lengths)]
         return [d if len(d) > 1 else Draft() for d in drafts]
 
@@ -350,6 +366,7 @@ class SuffixGenerationBatch(GenerationBatch):
         if not self.uids:
             return []
         settled, self._settled = self._settled, False
+        self._last_check, self._check = self._check, None
         if not self._can_draft():
             return super().next()
         self.drafter.ensure_cost(self.model)  # adaptive policy: once per drafter
@@ -373,12 +390,15 @@ class SuffixGenerationBatch(GenerationBatch):
         responses = super().next()
         if not self.uids or not self._can_draft():
             return responses
-        drafts = self._cut(early if early is not None else self._propose())
+        drafts = self._cut(early if early is not None else self._propose(), check=True)
         if not any(drafts):
             return responses
         # Wait for the queued forward: its tokens check each draft's first.
+        tic = time.perf_counter()
         nxt = self._next_tokens.tolist()
+        toc = time.perf_counter()
         self._settled = True
+        self.draft_stats.check_steps += 1
         for i, (d, t) in enumerate(zip(drafts, nxt)):
             if d and d.tokens[0] != t:
                 self._record_miss(i, d)
@@ -386,6 +406,7 @@ class SuffixGenerationBatch(GenerationBatch):
         # The width again, for the confirmed drafts alone.
         drafts = self._cut(drafts)
         if not any(drafts):
+            self._check = (toc - tic, toc)
             return responses
         self._commit(nxt)
         return responses + self._verify(nxt, drafts)

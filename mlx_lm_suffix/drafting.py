@@ -240,6 +240,7 @@ class SuffixDrafter:
                 batch_cost_factors=(
                     self.cost.batch_relative() if self.cost is not None else None
                 ),
+                check_cost_s=self.cost.check if self.cost is not None else None,
                 active_requests=self.active_requests,
                 cached_requests=self.cached_requests,
                 cached_tokens=self.cached_tokens,

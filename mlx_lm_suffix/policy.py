@@ -33,12 +33,16 @@ LONG_MATCH = 48
 class VerifyCost:
     """Seconds for one target forward over ``n`` tokens: for one sequence,
     interpolated linearly between measured points; for ``rows`` sequences of
-    a batch (``n`` tokens in all), that times a factor learnt from real
-    batched steps of the same shape (each row attends to its own context,
-    and samples and runs its logits processors per position), or of the
-    same widths with other rows, or 1 until one is seen. ``smoothing`` is the weight
-    :meth:`observe` gives a real step once there are enough of them (0:
-    nothing is learnt)."""
+    a batch (``n`` tokens in all), a prior (:meth:`batch_prior`) times a
+    factor learnt from real batched steps of the same shape (each row
+    attends to its own context, and samples and runs its logits processors
+    per position), or of the same widths with other rows, or 1 until one is
+    seen. ``smoothing`` is the weight :meth:`observe` gives a real step once
+    there are enough of them (0: nothing is learnt).
+
+    ``check``: the seconds a batch step loses when it waits for its queued
+    plain forward to check drafts' first tokens, learnt by
+    :meth:`observe_check` (0 until a check is seen; see :func:`check_pays`)."""
 
     def __init__(self, points: Dict[int, float], smoothing: float = 0.1):
         if not points or 1 not in points:
@@ -49,6 +53,8 @@ class VerifyCost:
         self._envelope()
         # (rows, width bucket) -> [factor, steps seen]
         self.batch_factors: Dict[Tuple[int, int], List[float]] = {}
+        self.check = 0.0
+        self._checks_seen = 0
 
     def _envelope(self) -> None:
         """Keep the curve physical: a forward over more tokens never costs
@@ -63,7 +69,7 @@ class VerifyCost:
 
     def __call__(self, n: int, rows: int = 1) -> float:
         if rows > 1:
-            return self(n) * self._batch_factor(self._shape(n, rows))
+            return self.batch_prior(n, rows) * self._batch_factor(self._shape(n, rows))
         sizes, pts = self._sizes, self.points
         if n <= sizes[0]:
             return pts[sizes[0]]
@@ -76,6 +82,16 @@ class VerifyCost:
             return pts[sizes[-1]] * n / sizes[-1]
         lo, hi = sizes[i - 1], sizes[i]
         return pts[lo] + (pts[hi] - pts[lo]) * (n - lo) / (hi - lo)
+
+    def batch_prior(self, n: int, rows: int) -> float:
+        """A batched forward of ``n`` tokens over ``rows`` rows, before its
+        shape's factor: at least one sequence's forward over the ``n``
+        tokens (the same weights' work), and at least the plain step of the
+        batch (``rows`` tokens) made as much dearer as one sequence's
+        forward gets from 1 token to the rows' width (each row's positions
+        attend to its own context)."""
+        width = max(1, n // rows)
+        return max(self(n), self(rows) * self(width) / self(1))
 
     def _batch_factor(self, shape: Tuple[int, int]) -> float:
         """The factor of ``shape``, or, not seen yet, of the seen shape of
@@ -107,7 +123,7 @@ class VerifyCost:
             factor = self.batch_factors.setdefault(self._shape(n, rows), [1.0, 0])
             factor[1] += 1
             weight = max(self.smoothing, 1.0 / factor[1])
-            factor[0] += weight * (seconds / self(n) - factor[0])
+            factor[0] += weight * (seconds / self.batch_prior(n, rows) - factor[0])
             return
         if n > self._sizes[-1]:
             size = 1 << (n - 1).bit_length()
@@ -122,6 +138,22 @@ class VerifyCost:
         scaled = seconds * self.points[near] / max(self(n), 1e-12)
         self.points[near] += self.smoothing * (scaled - self.points[near])
         self._envelope()
+
+    def observe_check(self, wait: float, host: float) -> None:
+        """Learn what a check of drafts' first tokens cost a batch step: it
+        waited ``wait`` seconds for the queued plain forward, and the host
+        work until the next forward was queued (``host`` seconds: the
+        step's own, the caller's, the next step's graph) then followed that
+        forward instead of overlapping it. The step lost at most the smaller
+        of the two: on a GPU, where the wait is most of the forward, the
+        host work; on a CPU backend, whose forward mostly runs before
+        ``mx.async_eval`` returns, the wait. The mean of the first checks,
+        then a moving average."""
+        if not self.smoothing:
+            return
+        self._checks_seen += 1
+        weight = max(self.smoothing, 1.0 / self._checks_seen)
+        self.check += weight * (min(wait, host) - self.check)
 
     def relative(self) -> Dict[int, float]:
         """Costs relative to a one-token forward (for stats and reports)."""
@@ -489,6 +521,31 @@ def _best_width(
         if saved > best_saved:
             best_k, best_saved = k, saved
     return best_k, best_saved
+
+
+def check_pays(
+    probs: List[Sequence[float]], lengths: Sequence[int], cost: VerifyCost
+) -> bool:
+    """Whether the rows' drafts, cut to ``lengths`` by
+    :func:`best_batch_lengths` (pipelined), are worth checking: checking
+    costs about ``cost.check`` (the step waits for its queued plain forward,
+    see :meth:`VerifyCost.observe_check`), while the verification after it
+    saves time only for the rows whose first token that forward confirms.
+    So the time it would save with every first token confirmed, weighted by
+    the share of its expected tokens whose rows' first tokens are right
+    (``probs[i][0]``), must exceed ``cost.check``."""
+    if not any(lengths):
+        return False
+    if cost.check <= 0:
+        return True
+    width, saved = _best_width(probs, cost, pipelined=True)
+    gains = [
+        (p[0], 1 + expected_accepted(given_first(p), width))
+        for p, n in zip(probs, lengths)
+        if n
+    ]
+    confirmed = sum(p0 * g for p0, g in gains) / sum(g for _, g in gains)
+    return saved * confirmed > cost.check
 
 
 def unpipelined_length(probs: Sequence[float], cost: VerifyCost) -> int:

@@ -13,6 +13,7 @@ from mlx_lm_suffix.policy import (
     VerifyCost,
     best_batch_lengths,
     best_length,
+    check_pays,
     expected_accepted,
     given_first,
     unpipelined_length,
@@ -62,29 +63,34 @@ def test_cost_curve_learns_sizes_past_its_points():
 def test_batched_steps_learn_their_own_factor():
     # A batch forward of B rows x W tokens costs more than one sequence's
     # forward of B*W (each row attends to its own context, samples and runs
-    # its processors per position): real batched steps teach a factor per
-    # shape, and leave the one-sequence curve alone.
+    # its processors per position). Before any is seen, the prior: the more
+    # of that forward and of the plain B-row step made as much dearer as one
+    # sequence's forward gets from 1 to W tokens.
     c = VerifyCost({1: 1.0, 8: 2.0, 16: 2.2, 64: 5.0})
-    assert c(16, rows=8) == c(16) == 2.2  # nothing seen yet: the curve
+    assert c(16, rows=8) == c.batch_prior(16, 8) == pytest.approx(c(8) * c(2))  # 8 x 2
+    assert c(64, rows=2) == c.batch_prior(64, 2) == c(64) == 5.0  # 2 x 32: the curve
+    assert all(c.batch_prior(b, b) == c(b) for b in (2, 8, 16))  # width 1: the plain step
+    # Real batched steps teach a factor per shape, and leave the
+    # one-sequence curve alone.
     c.observe(16, 3.3, rows=8)  # 8 rows x 2 tokens
     assert c(16, rows=8) == pytest.approx(3.3) and c.points[16] == 2.2
     c.observe(24, 3.9, rows=8)  # 8 x 3: the same width bucket, averaged
-    factor = (1.5 + 3.9 / c(24)) / 2
+    factor = (3.3 / c.batch_prior(16, 8) + 3.9 / c.batch_prior(24, 8)) / 2
     assert c.batch_factors[(8, 2)] == [pytest.approx(factor), 2]
     assert c(16, rows=1) == 2.2
     # A shape not seen yet takes the factor of the same widths with the
     # nearest number of rows; other widths' factors do not carry over.
-    assert c(12, rows=4) == pytest.approx(c(12) * factor)  # 4 rows x 3
-    assert c(4, rows=2) == pytest.approx(c(4) * factor)  # 2 rows x 2
-    assert c(64, rows=8) == 5.0  # 8 x 8: no shape of that width seen, the curve
-    c.observe(64, 10.0, rows=8)  # 8 x 8, first seen: the mean starts there
+    assert c(12, rows=4) == pytest.approx(c.batch_prior(12, 4) * factor)  # 4 rows x 3
+    assert c(4, rows=2) == pytest.approx(c.batch_prior(4, 2) * factor)  # 2 rows x 2
+    assert c(64, rows=8) == c.batch_prior(64, 8)  # 8 x 8: no shape of that width seen
+    c.observe(64, 2 * c.batch_prior(64, 8), rows=8)  # 8 x 8, first seen: the mean starts there
     assert c.batch_factors[(8, 4)] == [pytest.approx(2.0), 1]
-    assert c(80, rows=8) == pytest.approx(2 * c(80))
-    assert c(48, rows=4) == pytest.approx(2 * c(48))  # 4 x 12: the 8 x 8-15 factor
-    assert c(512, rows=8) == c(512)  # 8 x 64: wider than any seen
+    assert c(80, rows=8) == pytest.approx(2 * c.batch_prior(80, 8))
+    assert c(48, rows=4) == pytest.approx(2 * c.batch_prior(48, 4))  # 4 x 12: the 8 x 8-15 factor
+    assert c(512, rows=8) == c.batch_prior(512, 8)  # 8 x 64: wider than any seen
     assert c.batch_relative() == {"8x2-3": pytest.approx(factor), "8x8-15": pytest.approx(2.0)}
     # The policy's verification cost is the batch's: a width that paid on
-    # the curve alone does not once the batch forward is seen to be dear.
+    # the prior alone does not once the batch forward is seen to be dear.
     rows = [[0.9, 0.8]] * 8
     assert best_batch_lengths(rows, VerifyCost(dict(c.points)), pipelined=True) == [2] * 8
     assert best_batch_lengths(rows, c, pipelined=True) == [0] * 8
@@ -345,9 +351,9 @@ def test_batch_verification_must_clearly_pay(monkeypatch):
     # One row's sure extra token in a batch of 8 pays for the wider forward
     # on the token count alone, barely: the other rows wait for it and the
     # request that finishes last gains nothing, so the batch does not verify.
-    cost = VerifyCost({1: 1.0, 8: 2.0, 16: 2.2, 64: 5.0})
+    cost = VerifyCost({1: 1.0, 2: 1.05, 8: 2.0, 16: 2.1, 64: 5.0})
     rows = [[1.0, 1.0]] + [[]] * 7
-    assert (16 + 1) / (cost(8) + cost(16)) > 8 / cost(8)
+    assert (16 + 1) / (cost(8) + cost(16, rows=8)) > 8 / cost(8)
     assert best_batch_lengths(rows, cost, pipelined=True) == [0] * 8
     monkeypatch.setattr(policy, "BATCH_MARGIN", 1.0)
     assert best_batch_lengths(rows, cost, pipelined=True) == [2] + [0] * 7
@@ -356,6 +362,33 @@ def test_batch_verification_must_clearly_pay(monkeypatch):
     assert best_batch_lengths(rows[:1], cost, pipelined=True) == [2]
     # When every row gains, the batch verifies.
     assert best_batch_lengths([[1.0, 1.0]] * 8, cost, pipelined=True) == [2] * 8
+
+
+def test_checking_drafts_must_pay_for_what_the_check_costs():
+    # Waiting for the plain forward to check first tokens costs `check`;
+    # the verification after it gains only for the rows whose first token
+    # is right. Nothing learnt yet (0): every draft worth verifying is
+    # checked.
+    cost = VerifyCost({1: 1.0, 2: 1.28, 4: 1.76, 8: 1.88, 16: 1.98, 32: 3.36})
+    sure, unlikely = [0.95] * 8, [0.05, 0.03, 0.02, 0.01]
+    for rows in ([sure], [unlikely], [sure, unlikely]):
+        lengths = best_batch_lengths(rows, cost, pipelined=True)
+        assert any(lengths) and check_pays(rows, lengths, cost)
+    assert not check_pays([sure], [0], cost)
+    # A check loses the smaller of its wait and the host work after it (the
+    # mean of the first checks, then a moving average): a GPU-like wait (the
+    # whole forward) with little host work, then a CPU-like short wait.
+    cost.observe_check(wait=1.0, host=0.02)
+    cost.observe_check(wait=0.06, host=2.0)
+    assert cost.check == pytest.approx(0.04)
+    # Then a draft whose first token is seldom right is not worth checking,
+    # a sure one is, and in a batch the sure row carries the others.
+    for rows, pays in (([sure], True), ([unlikely], False), ([sure, unlikely], True)):
+        assert check_pays(rows, best_batch_lengths(rows, cost, pipelined=True), cost) == pays
+    # A cost that learns nothing (smoothing 0) keeps checking.
+    frozen = VerifyCost({1: 1.0}, smoothing=0)
+    frozen.observe_check(0.5, 0.5)
+    assert frozen.check == 0.0
 
 
 def test_one_sequence_verifies_a_likely_draft_with_its_known_token():
