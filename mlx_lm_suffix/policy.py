@@ -15,6 +15,7 @@ number of committed tokens per unit of time, from
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from typing import Any, Dict, List, Sequence, Tuple
 
@@ -510,10 +511,12 @@ def _best_width(
         probs = [given_first(p) for p in probs]
         sunk_tokens, sunk_cost = B, plain
     k_max = max((len(p) for p in probs), default=0)
+    # Each row's expected accepted tokens of its first k draft tokens, by k.
+    sums = [list(itertools.accumulate(p)) for p in probs if p]
     ref = B / plain * (BATCH_MARGIN if B > 1 else 1.0)
     best_k, best_saved = 0, 0.0
     for k in range(1, k_max + 1):
-        gain = sunk_tokens + B + sum(expected_accepted(p, k) for p in probs)
+        gain = sunk_tokens + B + sum(c[min(k, len(c)) - 1] for c in sums)
         step = sunk_cost + cost(B * (k + 1), rows=B)
         # The time plain steps (by the margin) would take, less the step's:
         # positive exactly when the step commits tokens faster than them.
