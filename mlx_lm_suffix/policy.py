@@ -96,7 +96,7 @@ class VerifyCost:
 
     def _batch_factor(self, shape: Tuple[int, int]) -> float:
         """The factor of ``shape``, or, not seen yet, of the seen shape of
-        the same widths with the nearest number of rows, or 1 (the curve):
+        the same widths with the nearest number of rows, or 1 (the prior):
         the factor is per-row work at each position, which weighs less the
         wider the rows, so other widths' factors do not carry over."""
         if shape in self.batch_factors:
