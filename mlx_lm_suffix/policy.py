@@ -123,8 +123,7 @@ class VerifyCost:
             # The first step of a shape sets its factor (weight 1).
             factor = self.batch_factors.setdefault(self._shape(n, rows), [1.0, 0])
             factor[1] += 1
-            weight = max(self.smoothing, 1.0 / factor[1])
-            factor[0] += weight * (seconds / self.batch_prior(n, rows) - factor[0])
+            factor[0] = self._average(factor[0], factor[1], seconds / self.batch_prior(n, rows))
             return
         if n > self._sizes[-1]:
             size = 1 << (n - 1).bit_length()
@@ -153,8 +152,12 @@ class VerifyCost:
         if not self.smoothing:
             return
         self._checks_seen += 1
-        weight = max(self.smoothing, 1.0 / self._checks_seen)
-        self.check += weight * (min(wait, host) - self.check)
+        self.check = self._average(self.check, self._checks_seen, min(wait, host))
+
+    def _average(self, mean: float, seen: int, sample: float) -> float:
+        """``mean`` updated with the ``seen``-th sample: the plain mean of the
+        first samples, then a moving average of weight ``smoothing``."""
+        return mean + max(self.smoothing, 1.0 / seen) * (sample - mean)
 
     def relative(self) -> Dict[int, float]:
         """Costs relative to a one-token forward (for stats and reports)."""
