@@ -20,11 +20,11 @@ install()
 def __getattr__(name: str) -> Any:
     # Lazy: the startup hook imports this package in every Python process.
     if name == "SuffixDrafter":
-        from .drafting import SuffixDrafter
+        from .drafter import SuffixDrafter
 
         return SuffixDrafter
     if name == "suffix_generate_step":
-        from .generation import suffix_generate_step
+        from .loop import suffix_generate_step
 
         return suffix_generate_step
     raise AttributeError(f"module 'mlx_lm_suffix' has no attribute {name!r}")

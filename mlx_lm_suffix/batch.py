@@ -42,7 +42,7 @@ and nothing is computing) first drafts after ``p`` and, where the draft's
 first token is likely enough
 (:func:`~mlx_lm_suffix.policy.unpipelined_length`), feeds ``[p] + d`` in one
 forward instead of steps 1-4 (the in-process loop of
-:mod:`~mlx_lm_suffix.generation` does the same); otherwise that draft is the
+:mod:`~mlx_lm_suffix.loop` does the same); otherwise that draft is the
 one step 2 uses.
 
 Invariants kept between steps (the same as stock): ``self.tokens[i]`` equals
@@ -62,8 +62,8 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import TokenBuffer, trim_prompt_cache
 
-from .drafting import Draft, SuffixDrafter
-from .generation import context_limit
+from .drafter import Draft, SuffixDrafter
+from .loop import context_limit
 from .policy import best_batch_lengths, check_pays, unpipelined_length
 from .verification import (
     accepted_length,

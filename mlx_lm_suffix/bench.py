@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .drafting import Draft, SuffixDrafter
+from .drafter import Draft, SuffixDrafter
 from .workloads import read_jsonl, read_workload
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"

@@ -15,7 +15,7 @@ from typing import Any, Callable, List, Optional, Union
 
 import click
 
-from .drafting import (
+from .drafter import (
     DEFAULT_MAX_CACHED_REQUESTS,
     DEFAULT_MAX_SPEC_FACTOR,
     DEFAULT_MAX_SPEC_OFFSET,

@@ -9,7 +9,7 @@ copying from: while the output copies, it points at the next prompt token;
 when the output leaves the prompt (an edit), it re-joins as soon as the
 output's last tokens occur in the prompt again, and from then on drafts the
 prompt's continuation as long as the limits allow (:class:`SuffixDrafter
-<mlx_lm_suffix.drafting.SuffixDrafter>` uses it where it extends the trees'
+<mlx_lm_suffix.drafter.SuffixDrafter>` uses it where it extends the trees'
 draft). This is prompt lookup (vLLM's n-gram proposer) with a memory of
 where in the prompt the output is.
 

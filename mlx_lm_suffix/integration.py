@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import mlx.nn as nn
 
-from .drafting import (
+from .drafter import (
     DEFAULT_MAX_CACHED_REQUESTS,
     DEFAULT_MAX_CACHED_TOKENS,
     DEFAULT_MAX_SPEC_FACTOR,
@@ -190,7 +190,7 @@ def patch_generate(module: ModuleType) -> None:
         if isinstance(draft_model, SuffixDrafter):
             # Imported here: mlx_lm_suffix modules import mlx_lm, whose import
             # runs this patch.
-            from .generation import suffix_generate_step
+            from .loop import suffix_generate_step
 
             kwargs.update(kwargs.pop("_suffix_kwargs", {}))
             return suffix_generate_step(prompt, model, draft_model, *args, **kwargs)

@@ -2,7 +2,7 @@
 
 For each prompt, a spec-off run (stock ``mlx_lm.generate.generate_step``,
 greedy) is compared token for token with spec-on runs (a step function such
-as :func:`mlx_lm_suffix.generation.suffix_generate_step`, greedy). Every run
+as :func:`mlx_lm_suffix.loop.suffix_generate_step`, greedy). Every run
 starts from a fresh KV cache. The spec-on runs share one fresh
 :class:`SuffixDrafter` and each prompt runs twice: the *first* run drafts
 from the prompt, its own output and earlier prompts' responses; the *repeat*
@@ -30,8 +30,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generate_step
 
-from .drafting import DEFAULT_NUM_DRAFT_TOKENS, SuffixDrafter
-from .generation import suffix_generate_step
+from .drafter import DEFAULT_NUM_DRAFT_TOKENS, SuffixDrafter
+from .loop import suffix_generate_step
 
 EXACT = "EXACT"
 NEAR_TIE = "NEAR_TIE"

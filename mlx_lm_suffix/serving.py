@@ -33,12 +33,11 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequ
 from urllib.parse import urlsplit
 
 from .batch import BatchDraftStats, RequestUsage, RowOptions, SuffixBatchGenerator
-from .drafting import (
+from .drafter import (
     DEFAULT_NUM_DRAFT_TOKENS,
-    CacheFileError,
     SuffixDrafter,
-    read_cache_file,
 )
+from .persistence import CacheFileError, read_cache_file, save_cache_file
 
 logger = logging.getLogger("mlx_lm_suffix.serving")
 
@@ -325,7 +324,7 @@ class SuffixServing:
             if not force and sig == self._saved_signature:
                 return False
             try:
-                entry.drafter.save(self.cache_file, entry.model_id)
+                save_cache_file(entry.drafter, self.cache_file, entry.model_id)
             except OSError as e:
                 logger.error("mlx-lm-suffix: could not save %s: %s", self.cache_file, e)
                 return False

@@ -7,7 +7,7 @@ accepted exactly as far as it equals the response. This measures what the
 suffix trees would predict on a real workload and picks the drafting knobs
 for ``mlx_lm.server --draft suffix``.
 
-The replay follows :func:`mlx_lm_suffix.generation.suffix_generate_step`:
+The replay follows :func:`mlx_lm_suffix.loop.suffix_generate_step`:
 
 - the first response token comes from the prompt's forward, without a draft;
 - every later step drafts at most ``num_draft_tokens`` tokens and never past
@@ -58,7 +58,7 @@ from typing import (
     Union,
 )
 
-from .drafting import Draft, SuffixDrafter
+from .drafter import Draft, SuffixDrafter
 from .policy import VerifyCost
 from .verification import accepted_length
 

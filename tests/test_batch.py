@@ -11,10 +11,10 @@ from mlx_lm import load
 from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
-from test_generation import WrongFirstToken
+from test_loop import WrongFirstToken
 
 from mlx_lm_suffix.batch import BatchDraftStats, RequestUsage, RowOptions, SuffixBatchGenerator
-from mlx_lm_suffix.drafting import SuffixDrafter
+from mlx_lm_suffix.drafter import SuffixDrafter
 from mlx_lm_suffix.policy import VerifyCost
 
 MAX_TOKENS = 32

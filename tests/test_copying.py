@@ -2,7 +2,7 @@
 SuffixDrafter.propose, without a model."""
 
 from mlx_lm_suffix.copying import DRAFT_REJOIN_RUN, FAR_NGRAM, PromptCopy
-from mlx_lm_suffix.drafting import COPY_PROB, SuffixDrafter
+from mlx_lm_suffix.drafter import COPY_PROB, SuffixDrafter
 from mlx_lm_suffix.simulate import Record, replay
 from mlx_lm_suffix.verification import accepted_length
 

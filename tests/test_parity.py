@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from mlx_lm_suffix import parity as par
 from mlx_lm_suffix.cli import main
-from mlx_lm_suffix.generation import suffix_generate_step
+from mlx_lm_suffix.loop import suffix_generate_step
 
 MAX_TOKENS = 24
 

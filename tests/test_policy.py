@@ -5,8 +5,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from mlx_lm_suffix import policy
-from mlx_lm_suffix.drafting import Draft, SuffixDrafter
+from mlx_lm_suffix.drafter import Draft, SuffixDrafter
 from mlx_lm_suffix.policy import (
     LONG_MATCH,
     Calibration,
@@ -18,6 +17,7 @@ from mlx_lm_suffix.policy import (
     given_first,
     unpipelined_length,
 )
+from mlx_lm_suffix.policy import rules as policy
 
 FLAT = VerifyCost({1: 1.0, 16: 1.1, 32: 1.6, 64: 3.0})  # GPU-like: cheap up to 16
 LINEAR = VerifyCost({1: 1.0, 2: 2.0, 32: 32.0})  # every token costs a full step

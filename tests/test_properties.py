@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
 
 from mlx_lm_suffix.batch import RowOptions, SuffixBatchGenerator
-from mlx_lm_suffix.drafting import Draft, SuffixDrafter
+from mlx_lm_suffix.drafter import Draft, SuffixDrafter
 
 V = 50
 

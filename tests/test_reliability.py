@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx_lm  # noqa: F401  (first: mlx_lm_suffix imports mlx_lm)
 import pytest
 
-from mlx_lm_suffix.drafting import read_cache_file
+from mlx_lm_suffix.persistence import read_cache_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_server import Server, _messages, _model_id, _source_text  # noqa: E402

@@ -19,7 +19,8 @@ import pytest
 from openai import OpenAI
 
 from mlx_lm_suffix.bench import free_port, stop_process
-from mlx_lm_suffix.drafting import DEFAULT_NUM_DRAFT_TOKENS, SuffixDrafter, read_cache_file
+from mlx_lm_suffix.drafter import DEFAULT_NUM_DRAFT_TOKENS, SuffixDrafter
+from mlx_lm_suffix.persistence import read_cache_file, save_cache_file
 
 SERVER = str(Path(sys.executable).with_name("mlx_lm.server"))
 MAX_TOKENS = 32
@@ -586,7 +587,7 @@ def test_corrupt_cache_file_starts_empty(tiny_model_path, logs, tmp_path):
     cache_file = tmp_path / "suffix-cache.json"
     drafter = SuffixDrafter()
     drafter.add_responses([(None, list(range(50)))])
-    drafter.save(cache_file, _model_id(tiny_model_path))
+    save_cache_file(drafter, cache_file, _model_id(tiny_model_path))
     data = cache_file.read_bytes()
     cache_file.write_bytes(data[: len(data) // 2])  # truncated
     server = Server(
@@ -617,7 +618,7 @@ def test_cache_file_of_another_model_is_refused(tiny_model_path, logs, tmp_path)
     cache_file = tmp_path / "suffix-cache.json"
     drafter = SuffixDrafter()
     drafter.add_responses([(None, [1, 2, 3])])
-    drafter.save(cache_file, "/models/other|vocab=32000|sha256=0123456789abcdef")
+    save_cache_file(drafter, cache_file, "/models/other|vocab=32000|sha256=0123456789abcdef")
     before = cache_file.read_bytes()
     server = Server(
         tiny_model_path,

@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from mlx_lm_suffix.cli import main
-from mlx_lm_suffix.drafting import DEFAULT_MAX_TREE_DEPTH, SuffixDrafter
+from mlx_lm_suffix.drafter import DEFAULT_MAX_TREE_DEPTH, SuffixDrafter
 from mlx_lm_suffix.simulate import (
     Record,
     cost_from_times,

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_lm_suffix.drafting import CacheFileError, SuffixDrafter, read_cache_file
+from mlx_lm_suffix.drafter import SuffixDrafter
+from mlx_lm_suffix.persistence import CacheFileError, read_cache_file, save_cache_file
 from mlx_lm_suffix.policy import LONG_MATCH
 
 
@@ -157,7 +158,7 @@ def test_cache_file_round_trip_and_errors(tmp_path):
     d.commit(r, [7, 8, 9, 10])
     d.finish(r)
     path = tmp_path / "cache.json"
-    d.save(path, "model-a")
+    save_cache_file(d, path, "model-a")
     assert read_cache_file(path, "model-a") == [(None, [1, 2, 7, 8, 9, 10])]
     d2 = SuffixDrafter()
     assert d2.add_responses(read_cache_file(path, "model-a")) == 1

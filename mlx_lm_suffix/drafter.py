@@ -11,19 +11,16 @@ the prompt (:mod:`~mlx_lm_suffix.copying`).
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import tempfile
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 from arctic_inference.suffix_decoding import SuffixDecodingCache
 
 from .copying import PromptCopy
-from .policy import LONG_MATCH, Calibration, VerifyCost, best_length, histogram
+from .policy import LONG_MATCH, Calibration, VerifyCost, best_length
+from .stats import histogram
 
 DEFAULT_NUM_DRAFT_TOKENS = 64
 DEFAULT_MAX_TREE_DEPTH = 96
@@ -34,7 +31,6 @@ DEFAULT_MAX_SPEC_OFFSET = 0.0
 DEFAULT_MIN_TOKEN_PROB = 0.1
 POLICIES = ("adaptive", "fixed")
 
-CACHE_FILE_VERSION = 1
 # A cached response keeps this many prompt tokens before it, so that a later
 # request whose prompt ends the same way drafts the response from its first
 # token (a repeated request, the same tool call after the same template).
@@ -495,67 +491,3 @@ class SuffixDrafter:
         """The cached responses, oldest first."""
         with self._lock:
             return [(s, list(t)) for s, t in self._cached.values()]
-
-    def save(self, path: str | os.PathLike, model_id: str) -> None:
-        """Write the cached responses to ``path`` atomically (write to a temp
-        file in the same folder, fsync, rename)."""
-        path = Path(path)
-        data = {
-            "format": "mlx-lm-suffix-cache",
-            "version": CACHE_FILE_VERSION,
-            "model": model_id,
-            "responses": [
-                {"scope": s, "tokens": t} for s, t in self.cached_responses()
-            ],
-        }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-
-
-class CacheFileError(ValueError):
-    """A suffix cache file that cannot be used."""
-
-
-def read_cache_file(path: str | os.PathLike, model_id: str) -> List[Tuple[Any, List[int]]]:
-    """Read responses saved by :meth:`SuffixDrafter.save`.
-
-    Raises ``FileNotFoundError`` when missing, and :class:`CacheFileError`
-    when the file is unreadable, corrupt, or was made for another model."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CacheFileError(f"suffix cache file {path} is not readable: {e}") from e
-    if not isinstance(data, dict) or data.get("format") != "mlx-lm-suffix-cache":
-        raise CacheFileError(f"{path} is not an mlx-lm-suffix cache file")
-    if data.get("version") != CACHE_FILE_VERSION:
-        raise CacheFileError(
-            f"{path} has cache format version {data.get('version')!r}, "
-            f"expected {CACHE_FILE_VERSION}"
-        )
-    if data.get("model") != model_id:
-        raise CacheFileError(
-            f"{path} holds token ids of model {data.get('model')!r}, "
-            f"not of the loaded model {model_id!r}; use another --suffix-cache-file"
-        )
-    out = []
-    for r in data.get("responses", []):
-        tokens = r.get("tokens") if isinstance(r, dict) else None
-        if not isinstance(tokens, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
-        ):
-            raise CacheFileError(f"{path} has a malformed response entry")
-        out.append((r.get("scope"), tokens))
-    return out

@@ -27,7 +27,7 @@ from mlx_lm.generate import (
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 
-from .drafting import SuffixDrafter
+from .drafter import SuffixDrafter
 from .verification import accepted_length, rollback
 
 

@@ -18,7 +18,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 import mlx_lm_suffix
 from mlx_lm_suffix import SuffixDrafter, suffix_generate_step
-from mlx_lm_suffix.drafting import Draft
+from mlx_lm_suffix.drafter import Draft
 from mlx_lm_suffix.policy import VerifyCost
 
 

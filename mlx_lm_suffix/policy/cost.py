@@ -1,0 +1,194 @@
+"""Verification cost: seconds of one target forward by the tokens it feeds."""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import Dict, List, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class VerifyCost:
+    """Seconds for one target forward over ``n`` tokens: for one sequence,
+    interpolated linearly between measured points; for ``rows`` sequences of
+    a batch (``n`` tokens in all), a prior (:meth:`batch_prior`) times a
+    factor learnt from real batched steps of the same shape (each row
+    attends to its own context, and samples and runs its logits processors
+    per position), or of the same widths with other rows, or 1 until one is
+    seen. ``smoothing`` is the weight :meth:`observe` gives a real step once
+    there are enough of them (0: nothing is learnt).
+
+    ``check``: the seconds a batch step loses when it waits for its queued
+    plain forward to check drafts' first tokens, learnt by
+    :meth:`observe_check` (0 until a check is seen; see :func:`check_pays`)."""
+
+    def __init__(self, points: Dict[int, float], smoothing: float = 0.1):
+        if not points or 1 not in points:
+            raise ValueError("VerifyCost needs at least the time of a 1-token forward")
+        self.points = {int(k): float(v) for k, v in points.items()}
+        self.smoothing = smoothing
+        self._sizes = sorted(self.points)
+        self._envelope()
+        # (rows, width bucket) -> [factor, steps seen]
+        self.batch_factors: Dict[Tuple[int, int], List[float]] = {}
+        self.check = 0.0
+        self._checks_seen = 0
+
+    def _envelope(self) -> None:
+        """Keep the curve physical: a forward over more tokens never costs
+        less, nor more than proportionally more (``n`` one-token forwards
+        would do). Timing noise only ever adds time, so each point is lowered
+        to the bound its neighbours give."""
+        pts, sizes = self.points, self._sizes
+        for lo, hi in zip(sizes, sizes[1:]):
+            pts[hi] = min(pts[hi], pts[lo] * hi / lo)
+        for lo, hi in zip(reversed(sizes[:-1]), reversed(sizes[1:])):
+            pts[lo] = min(pts[lo], pts[hi])
+
+    def __call__(self, n: int, rows: int = 1) -> float:
+        if rows > 1:
+            return self.batch_prior(n, rows) * self._batch_factor(self._shape(n, rows))
+        sizes, pts = self._sizes, self.points
+        if n <= sizes[0]:
+            return pts[sizes[0]]
+        i = bisect.bisect_left(sizes, n)
+        if i < len(sizes) and sizes[i] == n:
+            return pts[n]
+        if i == len(sizes):
+            # Past the largest point, growth is at most proportional; assume
+            # it (a forward that large is compute-bound on most machines).
+            return pts[sizes[-1]] * n / sizes[-1]
+        lo, hi = sizes[i - 1], sizes[i]
+        return pts[lo] + (pts[hi] - pts[lo]) * (n - lo) / (hi - lo)
+
+    def batch_prior(self, n: int, rows: int) -> float:
+        """A batched forward of ``n`` tokens over ``rows`` rows, before its
+        shape's factor: at least one sequence's forward over the ``n``
+        tokens (the same weights' work), and at least the plain step of the
+        batch (``rows`` tokens) made as much dearer as one sequence's
+        forward gets from 1 token to the rows' width (each row's positions
+        attend to its own context)."""
+        width = max(1, n // rows)
+        return max(self(n), self(rows) * self(width) / self(1))
+
+    def _batch_factor(self, shape: Tuple[int, int]) -> float:
+        """The factor of ``shape``, or, not seen yet, of the seen shape of
+        the same widths with the nearest number of rows, or 1 (the prior):
+        the factor is per-row work at each position, which weighs less the
+        wider the rows, so other widths' factors do not carry over."""
+        if shape in self.batch_factors:
+            return self.batch_factors[shape][0]
+        rows, bucket = shape
+        same = [s for s in self.batch_factors if s[1] == bucket]
+        if not same:
+            return 1.0
+        return self.batch_factors[min(same, key=lambda s: abs(s[0] - rows))][0]
+
+    @staticmethod
+    def _shape(n: int, rows: int) -> Tuple[int, int]:
+        # Widths (tokens per row) in power-of-two buckets: 1, 2-3, 4-7, ...
+        return rows, max(1, n // rows).bit_length()
+
+    def observe(self, n: int, seconds: float, rows: int = 1) -> None:
+        """Learn from a real step's time: for one sequence, refine the
+        nearest measured point (a step larger than any point adds one at the
+        next power of two, from its own time); for a batch, the factor of
+        its shape (the mean of its first steps, then a moving average)."""
+        if not self.smoothing:
+            return
+        if rows > 1:
+            # The first step of a shape sets its factor (weight 1).
+            factor = self.batch_factors.setdefault(self._shape(n, rows), [1.0, 0])
+            factor[1] += 1
+            factor[0] = self._average(factor[0], factor[1], seconds / self.batch_prior(n, rows))
+            return
+        if n > self._sizes[-1]:
+            size = 1 << (n - 1).bit_length()
+            if size not in self.points:
+                self.points[size] = seconds * size / n
+                self._sizes = sorted(self.points)
+                self._envelope()
+                return
+        near = min(self._sizes, key=lambda s: abs(s - n))
+        if near != n and not (near / 2 <= n <= near * 2):
+            return
+        scaled = seconds * self.points[near] / max(self(n), 1e-12)
+        self.points[near] += self.smoothing * (scaled - self.points[near])
+        self._envelope()
+
+    def observe_check(self, wait: float, host: float) -> None:
+        """Learn what a check of drafts' first tokens cost a batch step: it
+        waited ``wait`` seconds for the queued plain forward, and the host
+        work until the next forward was queued (``host`` seconds: the
+        step's own, the caller's, the next step's graph) then followed that
+        forward instead of overlapping it. The step lost at most the smaller
+        of the two: on a GPU, where the wait is most of the forward, the
+        host work; on a CPU backend, whose forward mostly runs before
+        ``mx.async_eval`` returns, the wait. The mean of the first checks,
+        then a moving average."""
+        if not self.smoothing:
+            return
+        self._checks_seen += 1
+        self.check = self._average(self.check, self._checks_seen, min(wait, host))
+
+    def _average(self, mean: float, seen: int, sample: float) -> float:
+        """``mean`` updated with the ``seen``-th sample: the plain mean of the
+        first samples, then a moving average of weight ``smoothing``."""
+        return mean + max(self.smoothing, 1.0 / seen) * (sample - mean)
+
+    def relative(self) -> Dict[int, float]:
+        """Costs relative to a one-token forward (for stats and reports)."""
+        return {k: v / self.points[1] for k, v in sorted(self.points.items())}
+
+    def batch_relative(self) -> Dict[str, float]:
+        """The learnt batch factors (for stats), keyed ``"<rows>x<widths>"``."""
+        names = {}
+        for (rows, bucket), (factor, _) in sorted(self.batch_factors.items()):
+            lo, hi = 1 << (bucket - 1), (1 << bucket) - 1
+            names[f"{rows}x{lo}" if lo == hi else f"{rows}x{lo}-{hi}"] = factor
+        return names
+
+    @classmethod
+    def calibrate(
+        cls,
+        model: nn.Module,
+        sizes: Sequence[int] = CALIBRATION_SIZES,
+        context: int = 128,
+        repeats: int = 2,
+        min_seconds: float = 0.05,
+    ) -> "VerifyCost":
+        """Time forwards of ``sizes`` tokens after a ``context``-token prefix
+        on a scratch cache: the best of at least ``repeats`` runs each, more
+        (up to 20) while a size has taken less than ``min_seconds``, so the
+        cheap forwards, the noisiest, get the most runs; a forward slower than
+        ten times ``min_seconds`` gets one (its noise is small next to it)."""
+        # Imported here: mlx_lm's import runs our patches, which import this.
+        from mlx_lm.models.cache import make_prompt_cache
+
+        vocab = getattr(getattr(model, "args", None), "vocab_size", 32)
+        tokens = mx.arange(context + max(sizes)) % vocab
+        points = {}
+        cache = make_prompt_cache(model)
+        model(tokens[None, :context], cache=cache)
+        mx.eval([c.state for c in cache])
+        for n in sizes:
+            best, spent, runs = float("inf"), 0.0, 0
+            # The first run warms up the kernels.
+            while runs <= repeats or (spent < min_seconds and runs <= 20):
+                tic = time.perf_counter()
+                out = model(tokens[None, context : context + n], cache=cache)
+                mx.eval(out)
+                took = time.perf_counter() - tic
+                if runs:
+                    best, spent = min(best, took), spent + took
+                runs += 1
+                for c in cache:
+                    c.trim(n)
+                if runs == 2 and took > 10 * min_seconds:
+                    break
+            points[n] = best
+        return cls(points)

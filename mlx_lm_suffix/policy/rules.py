@@ -1,0 +1,161 @@
+"""Cost-aware draft lengths.
+
+A draft costs verification time and a rejected draft is pure loss. The policy
+picks, per step (and per batch), the draft length that maximises the expected
+number of committed tokens per unit of time, from
+
+- the suffix tree's per-token probability estimates (arctic-inference returns
+  cumulative probabilities: ``probs[i]`` estimates that the first ``i + 1``
+  draft tokens are all right), corrected online by the acceptance actually
+  seen at the same match length (:class:`Calibration`), and
+- :class:`VerifyCost`, the time of one target forward by the number of tokens
+  it feeds, measured for the loaded model at first use and refined online.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import List, Sequence, Tuple
+
+from .calibration import given_first
+from .cost import VerifyCost
+
+#: How much faster than plain steps a batch's verification must expect to
+#: commit tokens (see :func:`best_batch_lengths`).
+BATCH_MARGIN = 1.2
+
+
+def expected_accepted(probs: Sequence[float], length: int) -> float:
+    """Expected accepted tokens of the first ``length`` draft tokens."""
+    return sum(probs[:length])
+
+
+def best_length(probs: Sequence[float], cost: VerifyCost, pipelined: bool = False) -> int:
+    """Draft length maximising expected committed tokens per second for one
+    sequence; ``0`` when no draft beats a plain step. ``probs``: cumulative
+    acceptance probabilities (the trees' estimates scaled by
+    :meth:`Calibration.scale`).
+
+    Not pipelined, the verifying forward feeds the last committed token plus
+    the draft. Pipelined, the plain forward after the last committed token is
+    already running: it checks the draft's first token for free, and only a
+    draft whose first token it confirms is verified, feeding that token plus
+    the rest; so a draft is worth it when its tail is, given its first token.
+    """
+    if pipelined:
+        tail = best_length(given_first(probs), cost)
+        return tail + 1 if tail else 0
+    best, best_rate = 0, 1.0 / cost(1)
+    gain = 1.0
+    for i, p in enumerate(probs):
+        gain += p
+        rate = gain / cost(i + 2)
+        if rate > best_rate:
+            best, best_rate = i + 1, rate
+    return best
+
+
+def best_batch_lengths(
+    probs: List[Sequence[float]], cost: VerifyCost, pipelined: bool = False
+) -> List[int]:
+    """Draft lengths for the rows of a batch whose forward feeds every row's
+    last committed token plus its draft. The longest row sets the forward's
+    shape (every row is padded to ``1 + K``), so one width ``K`` is chosen for
+    the batch from the expected committed tokens of all rows and the step's
+    time (below); each row then drafts ``min(len(its draft), K)``.
+
+    ``pipelined``: the batch's plain forward over every row's pending token
+    is running, checks each row's first draft token for free, and the
+    verification follows it in the same step. So the width is chosen for the
+    tails, given their first tokens, and for the whole step (the plain
+    forward's tokens and time included): a verification pays when it
+    commits tokens faster than plain steps do.
+
+    Of the widths that pay, the one that saves the most time against plain
+    steps is taken, not the one with the best rate: a row whose draft is cut
+    needs another whole batch step for the rest, so the width with the best
+    rate of this step alone (often the shortest row's draft) can take more
+    steps in all.
+
+    With more than one row, verifying must beat plain steps by
+    ``BATCH_MARGIN``: the rows whose drafts fail, or that have none, wait
+    for the wider forward, and the request that finishes last is the one
+    that gained least (rows that gain finish early), so a verification that
+    only breaks even on the batch's token count slows the batch down."""
+    width, _ = _best_width(probs, cost, pipelined)
+    if pipelined:
+        tails = [given_first(p) for p in probs]
+        return [min(len(t), width) + 1 if width and t else 0 for t in tails]
+    return [min(len(p), width) for p in probs]
+
+
+def _best_width(
+    probs: List[Sequence[float]], cost: VerifyCost, pipelined: bool
+) -> Tuple[int, float]:
+    """The batch width of :func:`best_batch_lengths` (of the tails, when
+    ``pipelined``) and the time it saves against plain steps (0 if none
+    pays)."""
+    B = len(probs)
+    if B == 0:
+        return 0, 0.0
+    plain = cost(B)
+    sunk_tokens = sunk_cost = 0.0
+    if pipelined:
+        probs = [given_first(p) for p in probs]
+        sunk_tokens, sunk_cost = B, plain
+    k_max = max((len(p) for p in probs), default=0)
+    # Each row's expected accepted tokens of its first k draft tokens, by k.
+    sums = [list(itertools.accumulate(p)) for p in probs if p]
+    ref = B / plain * (BATCH_MARGIN if B > 1 else 1.0)
+    best_k, best_saved = 0, 0.0
+    for k in range(1, k_max + 1):
+        gain = sunk_tokens + B + sum(c[min(k, len(c)) - 1] for c in sums)
+        step = sunk_cost + cost(B * (k + 1), rows=B)
+        # The time plain steps (by the margin) would take, less the step's:
+        # positive exactly when the step commits tokens faster than them.
+        saved = gain / ref - step
+        if saved > best_saved:
+            best_k, best_saved = k, saved
+    return best_k, best_saved
+
+
+def check_pays(
+    probs: List[Sequence[float]], lengths: Sequence[int], cost: VerifyCost
+) -> bool:
+    """Whether the rows' drafts, cut to ``lengths`` by
+    :func:`best_batch_lengths` (pipelined), are worth checking: checking
+    costs about ``cost.check`` (the step waits for its queued plain forward,
+    see :meth:`VerifyCost.observe_check`), while the verification after it
+    saves time only for the rows whose first token that forward confirms.
+    So the time it would save with every first token confirmed, weighted by
+    the share of its expected tokens whose rows' first tokens are right
+    (``probs[i][0]``), must exceed ``cost.check``."""
+    if not any(lengths):
+        return False
+    if cost.check <= 0:
+        return True
+    width, saved = _best_width(probs, cost, pipelined=True)
+    gains = [
+        (p[0], 1 + expected_accepted(given_first(p), width))
+        for p, n in zip(probs, lengths)
+        if n
+    ]
+    confirmed = sum(p0 * g for p0, g in gains) / sum(g for _, g in gains)
+    return saved * confirmed > cost.check
+
+
+def unpipelined_length(probs: Sequence[float], cost: VerifyCost) -> int:
+    """For one sequence whose next token is known and whose cache is idle
+    (its last step verified a draft, or synced to check one): the draft
+    length to verify in one forward together with that token, or ``0`` to
+    take the pipelined way (a plain step over the token, which checks the
+    draft's first token, then the rest if it was right; see
+    :func:`best_batch_lengths`) because that saves more time in
+    expectation. Verifying at once saves the plain step when the draft's
+    first token is right and wastes the draft's positions when it is not,
+    so it is for drafts whose first token is likely."""
+    if not probs:
+        return 0
+    now, saved_now = _best_width([probs], cost, pipelined=False)
+    _, saved_after = _best_width([probs], cost, pipelined=True)
+    return now if now and saved_now > probs[0] * saved_after else 0
