@@ -60,17 +60,12 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, GenerationBatch
-from mlx_lm.models.cache import TokenBuffer, trim_prompt_cache
+from mlx_lm.models.cache import TokenBuffer
 
+from . import rollback
 from .drafter import Draft, SuffixDrafter
 from .loop import context_limit
-from .policy import best_batch_lengths, check_pays, unpipelined_length
-from .verification import (
-    accepted_length,
-    batch_length_bound,
-    can_rollback_batch,
-    rollback_batch,
-)
+from .verification import accepted_length
 
 __all__ = [
     "BatchDraftStats",
@@ -197,22 +192,6 @@ class SuffixGenerationBatch(GenerationBatch):
         self._last_check: Optional[Tuple[float, float]] = None
         super().__init__(*args, **kwargs)
 
-    @classmethod
-    def empty(cls, model: nn.Module, fallback_sampler: Any, **kwargs: Any):
-        return cls(
-            model=model,
-            fallback_sampler=fallback_sampler,
-            uids=[],
-            inputs=mx.array([], dtype=mx.uint32),
-            prompt_cache=[],
-            tokens=[],
-            samplers=[],
-            logits_processors=[],
-            max_tokens=[],
-            stop_sequences=[],
-            **kwargs,
-        )
-
     # ---------------------------------------------------------- row set
     def extend(self, batch: GenerationBatch) -> None:
         n0 = len(self.uids)
@@ -296,8 +275,7 @@ class SuffixGenerationBatch(GenerationBatch):
         if self._last_check is not None:
             wait, since = self._last_check
             self._last_check = None
-            if self.drafter.cost is not None:
-                self.drafter.cost.observe_check(wait, time.perf_counter() - since)
+            self.drafter.policy.observe_check(wait, time.perf_counter() - since)
         if not self._pending_committed:
             self._commit(tokens)
         self._pending_committed = False
@@ -312,7 +290,7 @@ class SuffixGenerationBatch(GenerationBatch):
             req is not None and k > 0 for req, k in zip(self._req, self._k)
         ):
             return False
-        if not can_rollback_batch(self.prompt_cache):
+        if not rollback.supports_batch(self.prompt_cache):
             if not self._warned_rollback:
                 self._warned_rollback = True
                 kinds = sorted({type(c).__name__ for c in self.prompt_cache})
@@ -337,7 +315,7 @@ class SuffixGenerationBatch(GenerationBatch):
         context_room = None
         if self.max_context is not None:
             # Rows shorter than the longest (left padded) get less room.
-            context_room = self.max_context - batch_length_bound(self.prompt_cache) - ahead
+            context_room = self.max_context - rollback.batch_length_bound(self.prompt_cache) - ahead
         drafts: List[Draft] = []
         for i, (req, k) in enumerate(zip(self._req, self._k)):
             room = self.max_tokens[i] - self._num_tokens[i] - ahead
@@ -348,19 +326,11 @@ class SuffixGenerationBatch(GenerationBatch):
         return drafts
 
     def _cut(self, drafts: List[Draft], check: bool = False) -> List[Draft]:
-        """With the adaptive policy, cut the drafts to the one batch width at
-        which their tails (given a confirmed first token) save the most time
-        (:func:`~mlx_lm_suffix.policy.best_batch_lengths`), and, ``check``:
-        to nothing unless that is worth what checking their first tokens
-        costs (:func:`~mlx_lm_suffix.policy.check_pays`); drop drafts
-        shorter than 2 tokens."""
-        if self.drafter.cost_aware:
-            probs = [self.drafter.scaled(d) for d in drafts]
-            lengths = best_batch_lengths(probs, self.drafter.cost, pipelined=True)
-            if check and not check_pays(probs, lengths, self.drafter.cost):
-                lengths = [0] * len(drafts)
-            drafts = [d.truncate(n) for d, n in zip(drafts, lengths)]
-        return [d if len(d) > 1 else Draft() for d in drafts]
+        """The drafts cut to the lengths the policy verifies after the
+        pipelined plain step (``check``: their first tokens are not checked
+        yet)."""
+        lengths = self.drafter.policy.batch_lengths(drafts, pipelined=True, check=check)
+        return [d.truncate(n) for d, n in zip(drafts, lengths)]
 
     def next(self) -> List[GenerationBatch.Response]:
         if not self.uids:
@@ -369,17 +339,18 @@ class SuffixGenerationBatch(GenerationBatch):
         self._last_check, self._check = self._check, None
         if not self._can_draft():
             return super().next()
-        self.drafter.ensure_cost(self.model)  # adaptive policy: once per drafter
+        policy = self.drafter.policy
+        policy.ensure_cost(self.model)  # adaptive policy: once per drafter
         early = None
-        if settled and self.drafter.cost_aware and len(self.uids) == 1:
-            # One row, its pending token known and nothing computing: draft
-            # after that token now, and verify both in one forward where the
-            # draft's first token is likely enough (policy.unpipelined_length).
+        if settled and len(self.uids) == 1:
+            # Its pending token known and nothing computing: draft after that
+            # token now, and verify both in one forward where the policy says
+            # so; else that draft is the one the pipelined step checks.
             pending = self._next_tokens.tolist()
             self._commit(pending)
             self._pending_committed = True
             early = self._propose(ahead=1)
-            n = unpipelined_length(self.drafter.scaled(early[0]), self.drafter.cost)
+            n = policy.batch_lengths(early, pipelined=False)[0]
             if n > 0:
                 self._pending_committed = False
                 return self._verify(pending, [early[0].truncate(n)], confirmed=False)
@@ -474,13 +445,12 @@ class SuffixGenerationBatch(GenerationBatch):
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         sampled = self._sample(logprobs)
         mx.eval(sampled, logprobs)
-        if self.drafter.cost is not None:
-            self.drafter.cost.observe(inputs.size, time.perf_counter() - tic, rows=B)
+        self.drafter.policy.observe(inputs.size, time.perf_counter() - tic, rows=B)
         targets = sampled.tolist()
 
         accepted = [accepted_length(d, t[: len(d) + 1]) for d, t in zip(drafts, targets)]
         rejected = [K - a for a in accepted]
-        rollback_batch(self.prompt_cache, rejected)
+        rollback.trim_rows(self.prompt_cache, rejected)
         stats = self.draft_stats
         stats.verify_steps += 1
         stats.unpipelined_steps += 1 - first
@@ -529,7 +499,7 @@ class SuffixGenerationBatch(GenerationBatch):
                     overflow = len(emitted) - n
                     cache = self.extract_cache(i)
                     if overflow:
-                        trim_prompt_cache(cache, overflow)
+                        rollback.trim(cache, overflow)
                         stats.finish_trims += 1
                     all_tokens = self.tokens[i][: len(self.tokens[i]) - overflow]
                 responses.append(
@@ -601,37 +571,22 @@ class SuffixBatchGenerator(BatchGenerator):
         self.options_source = options_source
         self.draft_stats = stats if stats is not None else BatchDraftStats()
         self._row_options: Dict[int, RowOptions] = {}
-        self._generation_batch = SuffixGenerationBatch.empty(
-            self.model,
-            self.sampler,
-            drafter=drafter,
-            row_options=self._row_options,
-            default_options=RowOptions(num_draft_tokens=num_draft_tokens),
-            max_context=context_limit(model, self.max_kv_size),
-            stats=self.draft_stats,
-        )
+        batch = SuffixGenerationBatch.empty(self.model, self.sampler)
+        batch.drafter = drafter
+        batch.row_options = self._row_options
+        batch.default_options = RowOptions(num_draft_tokens=num_draft_tokens)
+        batch.max_context = context_limit(model, self.max_kv_size)
+        batch.draft_stats = self.draft_stats
+        self._generation_batch = batch
 
-    def insert(
-        self,
-        prompts: List[List[int]],
-        max_tokens: Optional[List[int]] = None,
-        caches: Optional[List[List[Any]]] = None,
-        all_tokens: Optional[List[List[int]]] = None,
-        samplers: Optional[List[Any]] = None,
-        logits_processors: Optional[List[List[Any]]] = None,
-        stop_sequences: Optional[List[Any]] = None,
-        options: Optional[List[Optional[RowOptions]]] = None,
-    ):
-        return self.insert_segments(
-            [[p] for p in prompts],
-            max_tokens,
-            caches,
-            all_tokens,
-            samplers,
-            logits_processors,
-            stop_sequences,
-            options=options,
-        )
+    def insert(self, prompts: List[List[int]], *args: Any, options: Any = None, **kwargs: Any):
+        # Stock insert (mlx-lm 0.32.2) passes its arguments on to
+        # insert_segments, which takes the options from here.
+        self._insert_options = options
+        try:
+            return super().insert(prompts, *args, **kwargs)
+        finally:
+            self._insert_options = None
 
     def insert_segments(
         self,
@@ -644,6 +599,8 @@ class SuffixBatchGenerator(BatchGenerator):
         stop_sequences: Optional[List[Any]] = None,
         options: Optional[List[Optional[RowOptions]]] = None,
     ):
+        if options is None:
+            options = getattr(self, "_insert_options", None)
         if options is not None and len(options) != len(segments):
             raise ValueError(
                 f"Option options must have one entry per segment: expected "

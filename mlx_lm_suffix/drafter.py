@@ -19,7 +19,8 @@ from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tupl
 from arctic_inference.suffix_decoding import SuffixDecodingCache
 
 from .copying import PromptCopy
-from .policy import LONG_MATCH, Calibration, VerifyCost, best_length
+from .policy import LONG_MATCH, Calibration, VerifyCost
+from .policy.rules import Policy
 from .stats import histogram
 
 DEFAULT_NUM_DRAFT_TOKENS = 64
@@ -29,7 +30,6 @@ DEFAULT_MAX_CACHED_TOKENS = 4_000_000
 DEFAULT_MAX_SPEC_FACTOR = 2.0
 DEFAULT_MAX_SPEC_OFFSET = 0.0
 DEFAULT_MIN_TOKEN_PROB = 0.1
-POLICIES = ("adaptive", "fixed")
 
 # A cached response keeps this many prompt tokens before it, so that a later
 # request whose prompt ends the same way drafts the response from its first
@@ -141,11 +141,11 @@ class SuffixDrafter:
             (a prompt copy that extends it is capped by ``num_draft_tokens``).
         min_token_prob: Stop a draft at the first token whose estimated
             probability is below this.
-        policy: ``"adaptive"`` (default) picks each draft's length to maximise
-            expected tokens per second from the trees' probability estimates
-            and the measured cost of verifying ``k`` tokens (see
-            :mod:`mlx_lm_suffix.policy`); ``"fixed"`` drafts as long as the
-            trees allow. ``num_draft_tokens`` and the tree knobs are hard
+        policy: ``"adaptive"`` (default) picks each draft's length from the
+            trees' probability estimates and the measured cost of verifying
+            ``k`` tokens; ``"fixed"`` drafts as long as the trees allow (see
+            :class:`~mlx_lm_suffix.policy.rules.Policy`, kept as
+            :attr:`policy`). ``num_draft_tokens`` and the tree knobs are hard
             limits either way.
         cost: A :class:`~mlx_lm_suffix.policy.VerifyCost` to use instead of
             measuring one for the model at first use.
@@ -177,11 +177,7 @@ class SuffixDrafter:
         self.max_spec_factor = _number("max_spec_factor", max_spec_factor, 0.0)
         self.max_spec_offset = _number("max_spec_offset", max_spec_offset, -1e9)
         self.min_token_prob = _number("min_token_prob", min_token_prob, 0.0, 1.0)
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        self.policy = policy
-        self.cost = cost
-        self.calibration = Calibration()
+        self.policy = Policy(policy, cost)
 
         self.stats = DraftStats()
         self._lock = threading.RLock()
@@ -195,12 +191,6 @@ class SuffixDrafter:
         self._responses: Dict[int, List[int]] = {}
 
     # ------------------------------------------------------------------ state
-    @property
-    def cost_aware(self) -> bool:
-        """Whether drafts are cut to the length that pays: the adaptive
-        policy, once it has a cost curve (measured or given)."""
-        return self.policy == "adaptive" and self.cost is not None
-
     @property
     def active_requests(self) -> int:
         return len(self._active)
@@ -223,20 +213,19 @@ class SuffixDrafter:
             "max_spec_factor": self.max_spec_factor,
             "max_spec_offset": self.max_spec_offset,
             "min_token_prob": self.min_token_prob,
-            "policy": self.policy,
+            "policy": self.policy.name,
         }
 
     def snapshot(self) -> Dict[str, Any]:
         """Stats plus cache occupancy, for logs and the server's stats endpoint."""
         with self._lock:
             d = self.stats.as_dict()
+            cost = self.policy.cost
             d.update(
-                probability_scale=self.calibration.ratios(),
-                verify_cost=self.cost.relative() if self.cost is not None else None,
-                batch_cost_factors=(
-                    self.cost.batch_relative() if self.cost is not None else None
-                ),
-                check_cost_s=self.cost.check if self.cost is not None else None,
+                probability_scale=self.policy.calibration.ratios(),
+                verify_cost=cost.relative() if cost is not None else None,
+                batch_cost_factors=cost.batch_relative() if cost is not None else None,
+                check_cost_s=cost.check if cost is not None else None,
                 active_requests=self.active_requests,
                 cached_requests=self.cached_requests,
                 cached_tokens=self.cached_tokens,
@@ -288,71 +277,28 @@ class SuffixDrafter:
             if len(req.context) > 2 * self.max_tree_depth:
                 del req.context[: -self.max_tree_depth]
 
-    def ensure_cost(self, model: Any) -> None:
-        """Measure the verification cost curve of ``model`` once (adaptive
-        policy only)."""
-        if self.policy == "adaptive" and self.cost is None:
-            self.cost = VerifyCost.calibrate(model)
-
     def propose(self, req_id: int, max_tokens: Optional[int] = None) -> Draft:
         """The draft of up to ``max_tokens`` (default ``num_draft_tokens``)
         tokens after the request's committed tokens, before any length
-        policy: the trees' draft, extended by the prompt's continuation where
-        the output is copying the prompt (:mod:`~mlx_lm_suffix.copying`) and
-        that continuation starts with the trees' draft (or the trees have
-        none), or else where the trees' draft itself would re-join the
+        policy.
+
+        The trees' draft is the one from a match of at least
+        :data:`~mlx_lm_suffix.policy.LONG_MATCH` context tokens where there
+        is one (a repeat; its match length then reads ``LONG_MATCH``), else
+        the trees' best. It is extended by the prompt's continuation where
+        the output is copying the prompt (:mod:`~mlx_lm_suffix.copying`)
+        and that continuation starts with the trees' draft (or the trees
+        have none), or else where the trees' draft itself would re-join the
         prompt (the copy goes on from there). A copy's estimates are the
         trees' as far as they draft, then the last of them (:data:`COPY_PROB`
         where the trees have none); its match length is the longer of the
-        trees' match and the copy's run.
-        With the adaptive policy, the trees' draft is the one from a match of
-        at least :data:`~mlx_lm_suffix.policy.LONG_MATCH` context tokens
-        where there is one (a repeat; its match length then reads
-        ``LONG_MATCH``)."""
+        trees' match and the copy's run."""
         limit = self.num_draft_tokens if max_tokens is None else max_tokens
         if limit <= 0:
             return Draft()
         with self._lock:
             req = self._active[req_id]
-            cache, context = self._caches[req.scope], req.context[-self.max_tree_depth :]
-            d = cache.speculate(
-                req_id,
-                context,
-                max_spec_tokens=limit,
-                max_spec_factor=self.max_spec_factor,
-                max_spec_offset=self.max_spec_offset,
-                min_token_prob=self.min_token_prob,
-            )
-            tokens, probs, match = list(d.token_ids), list(d.probs), int(d.match_len)
-            if self.policy == "adaptive":
-                # arctic-inference drafts from the shortest match that gives its
-                # best-scoring draft, and a continuation seen once scores low
-                # (the request's own occurrence counts): a repeated request gets
-                # the draft of a template match several earlier answers share,
-                # branching where they part. Prefer the draft of a match of at
-                # least LONG_MATCH tokens, within the same limits; where the
-                # trees' draft goes on from it (the tree depth bounds a match
-                # and its draft together), keep the rest, estimated no higher.
-                longest = LONG_MATCH * self.max_spec_factor + self.max_spec_offset
-                n = int(min(limit, longest))
-                deep: List[int] = []
-                if n > 0 and tokens:
-                    # Only a match of LONG_MATCH tokens or more allows a token
-                    # (none when no match at all gave a draft).
-                    far = cache.speculate(
-                        req_id,
-                        context,
-                        max_spec_tokens=n,
-                        max_spec_factor=float(n),
-                        max_spec_offset=-float(n * (LONG_MATCH - 1)),
-                        min_token_prob=self.min_token_prob,
-                    )
-                    deep = list(far.token_ids)
-                if deep:
-                    n, low = len(deep), far.probs[-1]
-                    rest = tokens[n:] if tokens[:n] == deep else []
-                    probs = list(far.probs) + [min(p, low) for p in probs[n : n + len(rest)]]
-                    tokens, match = deep + rest, LONG_MATCH
+            tokens, probs, match = self._speculate(req_id, req, limit)
             draft = Draft(tokens[:limit], probs[:limit], match, req.last)
             n = len(draft)
             copy, run = req.copy.propose(limit), req.copy.run
@@ -368,32 +314,46 @@ class SuffixDrafter:
         probs = draft.probs + [p] * (len(copy) - n)
         return Draft(copy, probs, match, req.last, "copy", n, draft.match_len)
 
-    def scaled(self, draft: Draft) -> List[float]:
-        """The draft's estimates as the policy's probabilities
-        (:meth:`~mlx_lm_suffix.policy.Calibration.scale`)."""
-        return self.calibration.scale(
-            draft.probs, draft.match_len, draft.last, draft.source, draft.tree_len, draft.tree_match
+    def _speculate(self, req_id: int, req: _Request, limit: int) -> Tuple[List[int], List[float], int]:
+        """The trees' draft: tokens, estimates and match length.
+
+        arctic-inference drafts from the shortest match that gives its
+        best-scoring draft, and a continuation seen once scores low (the
+        request's own occurrence counts): a repeated request gets the draft
+        of a template match several earlier answers share, branching where
+        they part. So a draft from a match of at least LONG_MATCH tokens is
+        preferred, within the same limits; where the trees' draft goes on
+        from it (the tree depth bounds a match and its draft together), the
+        rest is kept, estimated no higher."""
+        cache, context = self._caches[req.scope], req.context[-self.max_tree_depth :]
+        knobs = dict(min_token_prob=self.min_token_prob)
+        d = cache.speculate(
+            req_id,
+            context,
+            max_spec_tokens=limit,
+            max_spec_factor=self.max_spec_factor,
+            max_spec_offset=self.max_spec_offset,
+            **knobs,
         )
-
-    def draft(
-        self, req_id: int, max_tokens: Optional[int] = None, pipelined: bool = False
-    ) -> Draft:
-        """Draft up to ``max_tokens`` (default ``num_draft_tokens``) tokens
-        that follow the request's committed tokens, for one sequence.
-
-        With the adaptive policy and a cost curve, the draft is cut to the
-        length with the best expected tokens per second. ``pipelined``: the
-        target's token after the committed ones is being computed already and
-        will check the draft's first token, so only the tokens after it can
-        gain anything (a draft shorter than 2 is dropped, whatever the policy;
-        see :func:`~mlx_lm_suffix.policy.best_length`)."""
-        draft = self.propose(req_id, max_tokens)
-        if self.cost_aware and draft.tokens:
-            probs = self.scaled(draft)
-            draft = draft.truncate(best_length(probs, self.cost, pipelined=pipelined))
-        if pipelined and len(draft) < 2:
-            return Draft()
-        return draft
+        tokens, probs, match = list(d.token_ids), list(d.probs), int(d.match_len)
+        n = int(min(limit, LONG_MATCH * self.max_spec_factor + self.max_spec_offset))
+        if n <= 0 or not tokens:
+            return tokens, probs, match  # no match gave a draft: nor will a long one
+        # Only a match of LONG_MATCH tokens or more allows a token.
+        far = cache.speculate(
+            req_id,
+            context,
+            max_spec_tokens=n,
+            max_spec_factor=float(n),
+            max_spec_offset=-float(n * (LONG_MATCH - 1)),
+            **knobs,
+        )
+        deep = list(far.token_ids)
+        if not deep:
+            return tokens, probs, match
+        n, low = len(deep), far.probs[-1]
+        rest = tokens[n:] if tokens[:n] == deep else []
+        return deep + rest, list(far.probs) + [min(p, low) for p in probs[n : n + len(rest)]], LONG_MATCH
 
     def finish(self, req_id: int) -> None:
         """Stop a request. Its response stays in the global cache until evicted.
@@ -429,15 +389,7 @@ class SuffixDrafter:
                 self.stats.expected += sum(probs)
                 self.stats.lengths[drafted] = self.stats.lengths.get(drafted, 0) + 1
                 if draft is not None:
-                    self.calibration.update(
-                        probs,
-                        accepted,
-                        draft.match_len,
-                        draft.last,
-                        draft.source,
-                        draft.tree_len,
-                        draft.tree_match,
-                    )
+                    self.policy.record(draft, drafted, accepted)
                 req = self._active.get(req_id)
                 if req is not None:
                     req.last = Calibration.outcome(drafted, accepted)

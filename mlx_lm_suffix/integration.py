@@ -37,9 +37,9 @@ from .drafter import (
     DEFAULT_MAX_TREE_DEPTH,
     DEFAULT_MIN_TOKEN_PROB,
     DEFAULT_NUM_DRAFT_TOKENS,
-    POLICIES,
     SuffixDrafter,
 )
+from .policy.rules import POLICIES
 
 SUFFIX = "suffix"
 

@@ -2,16 +2,23 @@
 
 :func:`suffix_generate_step` has the contract of mlx-lm's
 ``speculative_generate_step`` (it yields ``(token, logprobs, from_draft)``)
-and takes the keyword arguments of ``generate_step``. Each step drafts from
-the suffix trees, runs the target once over the last token plus the draft,
-samples every position, accepts the longest matching prefix and rolls the KV
-cache back by the rejected positions. With nothing to draft it takes the
-ordinary single-token path, pipelined with ``mx.async_eval`` as mlx-lm does.
+and takes the keyword arguments of ``generate_step``, whose prefill it runs.
+
+A step is one of two kinds. Pipelined (as mlx-lm's ``generate_step``): the
+forward over the pending token is queued before the token is yielded; the
+draft after that token is then checked by the forward's own next token,
+and only a draft whose first token it confirms is verified, feeding the
+rest. Settled (after a verification, or a check that failed, the pending
+token is known and nothing computes): the draft after the pending token is
+verified together with it in one forward. :class:`~mlx_lm_suffix.policy.
+rules.Policy` decides each length (``0``: a plain step); verification
+accepts the longest matching prefix (:mod:`~mlx_lm_suffix.verification`) and
+rolls the cache back by the rejected positions (:mod:`~mlx_lm_suffix.
+rollback`).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 import warnings
@@ -21,24 +28,27 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import (
     DEFAULT_QUANTIZED_KV_START,
+    generate_step,
     generation_stream,
     maybe_quantize_kv_cache,
 )
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 
-from .drafter import SuffixDrafter
-from .verification import accepted_length, rollback
+from . import rollback
+from .drafter import Draft, SuffixDrafter
+from .verification import accepted_length
+
+Pending = Tuple[mx.array, mx.array]  # (token of shape [1], logprobs of shape [1, V])
 
 
-def warn_untrimmable(model: nn.Module, cache: List[Any]) -> None:
+def warn_no_rollback(model: nn.Module, cache: List[Any]) -> None:
     """Warn once per model that its cache cannot roll back, so no drafting."""
     if getattr(model, "_mlx_lm_suffix_warned", False):
         return
     object.__setattr__(model, "_mlx_lm_suffix_warned", True)
-    kinds = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
     warnings.warn(
-        f"mlx-lm-suffix: the model's KV cache ({', '.join(kinds)}) cannot be "
+        f"mlx-lm-suffix: the model's cache ({rollback.describe(cache)}) cannot be "
         "rolled back, so suffix drafting is off for it; generating one token "
         "per step as stock mlx-lm does.",
         RuntimeWarning,
@@ -53,23 +63,6 @@ def context_limit(model: nn.Module, max_kv_size: Optional[int] = None) -> Option
         return max_kv_size
     args = getattr(model, "args", None)
     return getattr(args, "max_position_embeddings", None)
-
-
-def draft_room(cache: List[Any], limit: Optional[int]) -> float:
-    """How many more positions can be fed to ``cache`` and still be rolled
-    back, within the context ``limit``."""
-    room = math.inf
-    for c in cache:
-        offset = getattr(c, "offset", None)
-        if not isinstance(offset, int):
-            continue
-        if limit is not None:
-            room = min(room, limit - offset)
-        max_size = getattr(c, "max_size", None)
-        if isinstance(max_size, int):
-            # A rotating cache stays trimmable only while offset < max_size.
-            room = min(room, max_size - offset - 1)
-    return room
 
 
 def suffix_generate_step(
@@ -119,31 +112,26 @@ def suffix_generate_step(
     if limit == 0:
         return
 
-    if prompt_cache is None:
-        prompt_cache = make_prompt_cache(model, max_kv_size=max_kv_size)
-    can_draft = num_draft_tokens > 0 and can_trim_prompt_cache(prompt_cache)
-    if num_draft_tokens > 0 and not can_draft:
-        warn_untrimmable(model, prompt_cache)
-    if can_draft:
-        drafter.ensure_cost(model)
+    cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, max_kv_size)
+    drafting = num_draft_tokens > 0 and rollback.supports(cache)
+    if num_draft_tokens > 0 and not drafting:
+        warn_no_rollback(model, cache)
+    policy = drafter.policy
+    if drafting:
+        policy.ensure_cost(model)
     ctx_limit = context_limit(model, max_kv_size)
-
     sampler = sampler or greedy_sampler
-    quantize_cache_fn = functools.partial(
-        maybe_quantize_kv_cache,
-        quantized_kv_start=quantized_kv_start,
-        kv_group_size=kv_group_size,
-        kv_bits=kv_bits,
-    )
     progress = prompt_progress_callback or (lambda *_: None)
     prompt = prompt.astype(mx.uint32)
+    total = prompt.size
     # Tokens in the cache, for logits processors (as generate_step keeps them).
-    history = prompt[:0]
+    history = prompt[:-1]
 
-    def forward(inputs: mx.array) -> Tuple[mx.array, mx.array]:
-        """Feed ``inputs`` (1-D) and sample the token after each position."""
-        logits = model(inputs[None], cache=prompt_cache)[0]
-        quantize_cache_fn(prompt_cache)
+    def forward(inputs: mx.array) -> Pending:
+        """Feed ``inputs`` (1-D) and sample the token after each position;
+        logits processors run position by position over the tokens so far."""
+        logits = model(inputs[None], cache=cache)[0]
+        maybe_quantize_kv_cache(cache, quantized_kv_start, kv_group_size, kv_bits)
         if logits_processors:
             rows = []
             for j in range(inputs.size):
@@ -156,130 +144,119 @@ def suffix_generate_step(
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return sampler(logprobs), logprobs
 
-    def extend_history(tokens: mx.array) -> None:
+    def fed(tokens: mx.array) -> None:
         nonlocal history
         if logits_processors:
             history = mx.concatenate([history, tokens])
 
-    req = drafter.start(
-        prompt.tolist() if draft_prompt is None else draft_prompt, scope=draft_scope
-    )
-    last_in_cache = True
-    unyielded = 0
-    failed = False
+    def room(pipelined: bool) -> int:
+        """Most draft tokens the next verification may feed."""
+        # Settled, the pending token is fed too.
+        free = rollback.room(cache, ctx_limit) - (not pipelined)
+        return int(min(num_draft_tokens, limit - emitted - 1, free))
+
+    req = drafter.start(prompt.tolist() if draft_prompt is None else draft_prompt, draft_scope)
+    emitted = 0
+    # Accepted tokens in the cache past the last one yielded (a close in the
+    # middle of a draft trims them), and whether the last yielded token is
+    # in the cache (a close after a settled step feeds it).
+    unyielded, last_in_cache, failed = 0, True, False
     with mx.stream(stream):
         try:
-            # Prefill all but the last prompt token.
-            total = prompt.size
-            progress(0, total)
-            done = 0
-            while total - done > 1:
-                n = min(prefill_step_size, total - done - 1)
-                model(prompt[done : done + n][None], cache=prompt_cache)
-                quantize_cache_fn(prompt_cache)
-                mx.eval([c.state for c in prompt_cache])
-                extend_history(prompt[done : done + n])
-                done += n
-                progress(done, total)
-                mx.clear_cache()
-
-            y = prompt[done:]
-            pending = forward(y)
-            extend_history(y)
+            if total > 1:
+                # mlx-lm's prefill of all but the last token (max_tokens=0
+                # yields nothing: its one step only fills the cache).
+                for _ in generate_step(
+                    prompt[:-1],
+                    model,
+                    stream,
+                    max_tokens=0,
+                    sampler=sampler,
+                    prompt_cache=cache,
+                    prefill_step_size=prefill_step_size,
+                    kv_bits=kv_bits,
+                    kv_group_size=kv_group_size,
+                    quantized_kv_start=quantized_kv_start,
+                    prompt_progress_callback=lambda done, _: progress(done, total),
+                ):
+                    pass
+            else:
+                progress(0, total)
+            pending = forward(prompt[-1:])
             mx.async_eval(*pending)
-            pending_is_plain = True
-            spec_mode = False
+            settled = False
             plain_tic = None  # when a plain step that nothing overlaps started
-            n = 0
             while True:
                 tok, logprobs = pending
-                # Plain mode: start the next step before syncing on this one.
                 nxt = None
-                if not spec_mode:
+                if not settled:
+                    # Pipelined: queue the next forward before syncing on this one.
                     nxt = forward(tok)
                     mx.async_eval(*nxt)
                 t = tok.item()
-                if plain_tic is not None and drafter.cost is not None:
-                    # Timed as verification steps are, so cost(1) stays
-                    # comparable with the points those refine.
-                    drafter.cost.observe(1, time.perf_counter() - plain_tic)
-                plain_tic = None
-                if n == 0:
+                if plain_tic is not None:
+                    # Timed as verifications are, so cost(1) stays comparable.
+                    policy.observe(1, time.perf_counter() - plain_tic)
+                    plain_tic = None
+                if emitted == 0:
                     progress(total, total)
-                if pending_is_plain:
-                    drafter.record()
+                if not settled:
+                    drafter.record()  # the plain step that gave t
                 drafter.commit(req, [t])
-                n += 1
+                emitted += 1
                 last_in_cache = nxt is not None
                 yield t, logprobs[0], False
-                if n >= limit:
+                if emitted >= limit:
                     break
-                if n % 256 == 0:
+                if emitted % 256 == 0:
                     mx.clear_cache()
 
-                k = 0
-                if can_draft:
-                    room = draft_room(prompt_cache, ctx_limit) - (nxt is None)
-                    k = int(min(num_draft_tokens, limit - n - 1, room))
-                # Pipelined: the forward feeds only the draft (t is in the cache).
-                proposal = drafter.draft(req, k, pipelined=nxt is not None) if k > 0 else None
-                draft = proposal.tokens if proposal else []
+                k = room(pipelined=nxt is not None) if drafting else 0
+                draft = drafter.propose(req, k) if k > 0 else Draft()
+                draft = draft.truncate(policy.length(draft, pipelined=nxt is not None))
                 if not draft:
-                    spec_mode = False
                     if nxt is None:
                         plain_tic = time.perf_counter()
                         nxt = forward(tok)
                         mx.async_eval(*nxt)
                         last_in_cache = True
-                    if logits_processors:
-                        extend_history(tok)
-                    pending, pending_is_plain = nxt, True
+                    fed(tok)
+                    pending, settled = nxt, False
                     continue
 
-                spec_mode = True
-                k = len(draft)
                 if nxt is not None:
-                    # t is in the cache already and nxt is the target's token
-                    # after it: check the first draft token for free.
-                    extend_history(tok)
+                    # t is in the cache and nxt's token follows it: the check.
+                    fed(tok)
                     first, first_lp = nxt
-                    if first.item() != draft[0]:
-                        # A plain step after all. The adaptive policy drafts
-                        # after its (known) token next and verifies both in
-                        # one forward where that pays, rather than wait for
-                        # another plain step to check the draft's first token;
-                        # fixed drafting pipelines the next step.
-                        drafter.record(drafted=1, accepted=0, draft=proposal, req_id=req)
-                        pending, pending_is_plain = nxt, False
-                        spec_mode = drafter.cost_aware
+                    if first.item() != draft.tokens[0]:
+                        drafter.record(drafted=1, accepted=0, draft=draft, req_id=req)
+                        pending, settled = nxt, True
                         continue
-                    inputs = mx.array(draft, mx.uint32)
-                    tic = time.perf_counter()
-                    out, out_lp = forward(inputs)
-                    targets = [draft[0]] + out.tolist()
-                    all_lp = mx.concatenate([first_lp, out_lp])
-                    drafter.record()  # the pipelined step that checked draft[0]
+                    drafter.record()  # the pipelined step that checked it
+                    inputs = mx.array(draft.tokens, mx.uint32)
                 else:
-                    inputs = mx.array([t] + draft, mx.uint32)
-                    tic = time.perf_counter()
-                    out, all_lp = forward(inputs)
-                    targets = out.tolist()
-                if drafter.cost is not None:
-                    drafter.cost.observe(inputs.size, time.perf_counter() - tic)
-                a = accepted_length(draft, targets)
-                rollback(prompt_cache, k - a)
-                kept = inputs.size - (k - a)
-                extend_history(inputs[:kept])
-                drafter.record(drafted=k, accepted=a, draft=proposal, req_id=req)
+                    inputs = mx.array([t] + draft.tokens, mx.uint32)
+                tic = time.perf_counter()
+                out, out_lp = forward(inputs)
+                targets = out.tolist()
+                policy.observe(inputs.size, time.perf_counter() - tic)
+                if nxt is not None:
+                    targets = [draft.tokens[0]] + targets
+                    out_lp = mx.concatenate([first_lp, out_lp])
+                k = len(draft)
+                a = accepted_length(draft.tokens, targets)
+                rollback.trim(cache, k - a)
+                fed(inputs[: inputs.size - (k - a)])
+                drafter.record(drafted=k, accepted=a, draft=draft, req_id=req)
                 last_in_cache = True
                 for i in range(a):
-                    drafter.commit(req, [draft[i]])
-                    n += 1
-                    unyielded = a - 1 - i  # accepted tokens in the cache after it
-                    yield draft[i], all_lp[i], True
+                    drafter.commit(req, [draft.tokens[i]])
+                    emitted += 1
+                    unyielded = a - 1 - i
+                    yield draft.tokens[i], out_lp[i], True
                 unyielded = 0
-                pending = (mx.array([targets[a]], mx.uint32), all_lp[a : a + 1])
-                pending_is_plain = False
+                pending = (mx.array([targets[a]], mx.uint32), out_lp[a : a + 1])
+                settled = True
         except Exception:
             failed = True
             raise
@@ -287,8 +264,8 @@ def suffix_generate_step(
             # Leave exactly the yielded tokens in the cache, as generate_step
             # does, also when the caller stops in the middle of a draft.
             if unyielded and not failed:
-                rollback(prompt_cache, unyielded)
+                rollback.trim(cache, unyielded)
             elif not last_in_cache and not failed:
                 forward(pending[0])
-                mx.eval([c.state for c in prompt_cache])
+                mx.eval([c.state for c in cache])
             drafter.finish(req)

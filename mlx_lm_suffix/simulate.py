@@ -251,7 +251,8 @@ def replay(
         # The first token comes from the prompt's forward, without a draft.
         k = min(drafter.num_draft_tokens, n - pos - 1) if pos else 0
         t0 = time.perf_counter()
-        draft = drafter.draft(req, k) if k > 0 else Draft()
+        draft = drafter.propose(req, k) if k > 0 else Draft()
+        draft = draft.truncate(drafter.policy.length(draft, pipelined=False))
         seconds += time.perf_counter() - t0
         a = accepted_length(draft.tokens, response[pos : pos + len(draft) + 1])
         t0 = time.perf_counter()

@@ -279,7 +279,7 @@ def test_checks_must_pay_for_what_they_cost(model_and_tokenizer, prompts):
     cheap = {1: 1.0, 256: 1.05}
     learning = WrongFirstToken(policy="adaptive", cost=VerifyCost(cheap))
     never = WrongFirstToken(policy="adaptive", cost=VerifyCost(cheap, smoothing=0))
-    never.cost.check = 1e6  # dearer than any saving
+    never.policy.cost.check = 1e6  # dearer than any saving
     for drafter in (learning, never):
         stats = BatchDraftStats()
         for _ in range(2):  # the second round has every response cached
@@ -291,8 +291,8 @@ def test_checks_must_pay_for_what_they_cost(model_and_tokenizer, prompts):
         if drafter is learning:
             assert stats.check_steps > 0 and drafter.stats.drafted >= stats.check_steps
             # Real waits of a few forwards of the tiny model at most.
-            assert 0 < drafter.cost.check < 1.0
-            assert drafter.snapshot()["check_cost_s"] == drafter.cost.check
+            assert 0 < drafter.policy.cost.check < 1.0
+            assert drafter.snapshot()["check_cost_s"] == drafter.policy.cost.check
         else:
             assert stats.check_steps == 0 and drafter.stats.drafted == 0
             assert drafter.stats.steps == drafter.stats.tokens
@@ -457,11 +457,11 @@ def test_adaptive_policy_picks_one_width_per_batch(model_and_tokenizer, prompts)
         tokens, _ = _run(gen, prompts, [MAX_TOKENS] * len(prompts))
         gen.close()
         assert tokens == ref
-    assert drafter.cost is not None  # measured at the first drafting step
+    assert drafter.policy.cost is not None  # measured at the first drafting step
     # Batched verification steps taught the cost of their shapes.
     assert gen.draft_stats.max_verify_batch_size > 1
-    assert any(rows > 1 for rows, _ in drafter.cost.batch_factors)
-    assert all(f > 0 for f, _ in drafter.cost.batch_factors.values())
+    assert any(rows > 1 for rows, _ in drafter.policy.cost.batch_factors)
+    assert all(f > 0 for f, _ in drafter.policy.cost.batch_factors.values())
 
     # With a known cost curve, not refined (timings on a loaded machine vary): cheap
     # verification drafts, verification that costs a full step per token
@@ -475,7 +475,7 @@ def test_adaptive_policy_picks_one_width_per_batch(model_and_tokenizer, prompts)
             gen.close()
             assert tokens == ref
         lengths[name] = d.stats.drafted / max(d.stats.draft_steps, 1)
-        assert d.cost.points[1] > 0
+        assert d.policy.cost.points[1] > 0
     assert lengths["cheap"] > 1 and lengths["cheap"] > lengths["dear"]
 
 

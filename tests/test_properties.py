@@ -78,7 +78,7 @@ class PlannedDrafter(SuffixDrafter):
         super().commit(req, tokens)
         self.seqs[req][0].extend(int(t) for t in tokens)
 
-    def draft(self, req, max_tokens=None, pipelined=False):
+    def propose(self, req, max_tokens=None):
         seq, plan = self.seqs[req]
         right, wrong = plan[len(seq) % len(plan)]
         true = reference(self.abc, seq, right + 1)

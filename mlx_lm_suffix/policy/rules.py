@@ -1,8 +1,8 @@
-"""Cost-aware draft lengths.
+"""Draft lengths: :class:`Policy` is the only place where they are decided.
 
-A draft costs verification time and a rejected draft is pure loss. The policy
-picks, per step (and per batch), the draft length that maximises the expected
-number of committed tokens per unit of time, from
+A draft costs verification time and a rejected draft is pure loss. The
+adaptive policy picks, per step (and per batch), the draft length that pays
+best in expectation, from
 
 - the suffix tree's per-token probability estimates (arctic-inference returns
   cumulative probabilities: ``probs[i]`` estimates that the first ``i + 1``
@@ -15,14 +15,109 @@ number of committed tokens per unit of time, from
 from __future__ import annotations
 
 import itertools
-from typing import List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
-from .calibration import given_first
+from .calibration import Calibration, given_first
 from .cost import VerifyCost
 
 #: How much faster than plain steps a batch's verification must expect to
 #: commit tokens (see :func:`best_batch_lengths`).
 BATCH_MARGIN = 1.2
+
+
+POLICIES = ("adaptive", "fixed")
+
+
+class Policy:
+    """Decides every draft length, for one sequence (:meth:`length`) and for
+    the rows of a batch (:meth:`batch_lengths`), from each draft's estimates
+    as :attr:`calibration` scales them and the :attr:`cost` of verifying.
+
+    Both entry points take the state of the step: ``pipelined``, a plain
+    forward over each pending token is running and will check each draft's
+    first token (so a draft needs 2 tokens to gain anything); otherwise the
+    pending tokens are known and nothing computes, and the lengths are those
+    to verify at once together with them (``0``: take the plain step, then
+    ask again, pipelined, with the same drafts).
+
+    ``"adaptive"`` (once it has a cost curve, :attr:`cost_aware`): one
+    sequence takes the length with the best expected tokens per second
+    (:func:`best_length`); a batch takes the one width that saves the most
+    time (:func:`best_batch_lengths`), checks first tokens only where that
+    pays (:func:`check_pays`) and verifies at once only with one row
+    (:func:`unpipelined_length`). ``"fixed"``: drafts as proposed; one row
+    verifies at once whenever it has a draft.
+    """
+
+    def __init__(self, name: str = "adaptive", cost: Optional[VerifyCost] = None):
+        if name not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
+        self.name = name
+        self.cost = cost
+        self.calibration = Calibration()
+
+    @property
+    def cost_aware(self) -> bool:
+        """Whether lengths are cut to what pays: adaptive, with a cost curve."""
+        return self.name == "adaptive" and self.cost is not None
+
+    def ensure_cost(self, model: Any) -> None:
+        """Measure ``model``'s verification cost curve once (adaptive only)."""
+        if self.name == "adaptive" and self.cost is None:
+            self.cost = VerifyCost.calibrate(model)
+
+    def probs(self, draft: Any) -> List[float]:
+        """A :class:`~mlx_lm_suffix.drafter.Draft`'s estimates as the
+        probabilities the rules take (:meth:`Calibration.scale`)."""
+        return self.calibration.scale(
+            draft.probs, draft.match_len, draft.last, draft.source, draft.tree_len, draft.tree_match
+        )
+
+    def length(self, draft: Any, pipelined: bool) -> int:
+        """How many tokens of one sequence's ``draft`` to verify."""
+        n = len(draft)
+        if n and self.cost_aware:
+            n = best_length(self.probs(draft), self.cost, pipelined=pipelined)
+        return 0 if pipelined and n < 2 else n
+
+    def batch_lengths(self, drafts: Sequence[Any], pipelined: bool, check: bool = True) -> List[int]:
+        """How many tokens of each row's draft to verify; ``check``: the
+        first tokens are not checked yet (pipelined only; a second call for
+        the confirmed drafts passes ``False``)."""
+        lengths = [len(d) for d in drafts]
+        if not pipelined and len(drafts) != 1:
+            return [0] * len(drafts)
+        if self.cost_aware and any(lengths):
+            probs = [self.probs(d) for d in drafts]
+            if not pipelined:
+                return [unpipelined_length(probs[0], self.cost)]
+            lengths = best_batch_lengths(probs, self.cost, pipelined=True)
+            if check and not check_pays(probs, lengths, self.cost):
+                return [0] * len(drafts)
+        return [n if n >= 2 or not pipelined else 0 for n in lengths]
+
+    def record(self, draft: Any, verified: int, accepted: int) -> None:
+        """Learn from a verified draft: its first ``verified`` tokens were
+        checked and ``accepted`` of them accepted."""
+        self.calibration.update(
+            draft.probs[:verified],
+            accepted,
+            draft.match_len,
+            draft.last,
+            draft.source,
+            draft.tree_len,
+            draft.tree_match,
+        )
+
+    def observe(self, n: int, seconds: float, rows: int = 1) -> None:
+        """A forward of ``n`` tokens over ``rows`` rows took ``seconds``."""
+        if self.cost is not None:
+            self.cost.observe(n, seconds, rows=rows)
+
+    def observe_check(self, wait: float, host: float) -> None:
+        """A check that verified nothing (:meth:`VerifyCost.observe_check`)."""
+        if self.cost is not None:
+            self.cost.observe_check(wait, host)
 
 
 def expected_accepted(probs: Sequence[float], length: int) -> float:

@@ -1,0 +1,81 @@
+"""Rollback of rejected positions, per cache kind, without a model."""
+
+import mlx.core as mx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache, RotatingKVCache
+
+from mlx_lm_suffix import rollback
+
+
+def _kv(values):
+    """A (1, 1, L, 1) array holding `values` along the sequence axis."""
+    return mx.array(values, dtype=mx.float32).reshape(1, 1, -1, 1)
+
+
+def test_trim_single_cache():
+    c = KVCache()
+    c.update_and_fetch(_kv([1, 2, 3, 4, 5]), _kv([1, 2, 3, 4, 5]))
+    rollback.trim([c], 2)
+    k, _ = c.update_and_fetch(_kv([9]), _kv([9]))
+    assert k.flatten().tolist() == [1, 2, 3, 9]
+    rollback.trim([c], 0)
+    assert c.offset == 4
+
+
+def test_rollback_plan():
+    assert rollback.plan([3, 1, 4]) == (1, [2, 0, 3])
+    assert rollback.plan([]) == (0, [])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 6), min_size=1, max_size=4),
+    steps=st.lists(st.lists(st.integers(0, 5), min_size=4, max_size=4), min_size=1, max_size=4),
+)
+def test_rollback_batch_matches_per_row_content(lengths, steps):
+    """Feed a right-padded block to every row, reject a different count per
+    row, and check each row's visible cache equals its accepted tokens."""
+    B = len(lengths)
+    rows = [[float(100 * b + i) for i in range(n)] for b, n in enumerate(lengths)]
+    width = max(lengths)
+    cache = BatchKVCache([width - n for n in lengths])
+    block = [[0.0] * (width - len(r)) + r for r in rows]
+    x = mx.array(block).reshape(B, 1, width, 1)
+    cache.update_and_fetch(x, x)
+    counter = 1000.0
+    for rejected in steps:
+        rejected = rejected[:B]
+        K = max(rejected) + 1
+        new = []
+        for _ in range(B):
+            toks = [counter + j for j in range(K)]
+            counter += K
+            new.append(toks)
+        x = mx.array(new).reshape(B, 1, K, 1)
+        cache.update_and_fetch(x, x)
+        rollback.trim_rows([cache], rejected)
+        for b in range(B):
+            rows[b] += new[b][: K - rejected[b]]
+        for b in range(B):
+            got = cache.extract(b).keys.flatten().tolist()
+            assert got == rows[b]
+        # Offsets (RoPE positions) match each row's true length.
+        assert cache.offset.tolist() == [len(r) for r in rows]
+
+
+def test_supported_kinds():
+    assert rollback.supports([KVCache(), CacheList(KVCache(), KVCache())])
+    assert not rollback.supports([KVCache(), ArraysCache(2)])
+    assert not rollback.supports([CacheList(KVCache(), ArraysCache(2))])
+    assert not rollback.supports([])
+    assert rollback.supports_batch([BatchKVCache([0, 1])])
+    assert not rollback.supports_batch([KVCache()])
+    assert "ArraysCache" in rollback.describe([KVCache(), ArraysCache(2)])
+
+
+def test_room_of_a_rotating_cache_stops_before_it_wraps():
+    c = RotatingKVCache(max_size=8)
+    c.update_and_fetch(_kv([1, 2, 3]), _kv([1, 2, 3]))
+    assert rollback.room([c]) == 4  # up to max_size - 1 positions in all
+    assert rollback.room([KVCache(), c], limit=5) == 2  # the context limit binds
