@@ -65,6 +65,7 @@ from mlx_lm.models.cache import TokenBuffer
 from . import rollback
 from .drafter import Draft, SuffixDrafter
 from .loop import context_limit
+from .stats import BatchDraftStats, RequestUsage
 from .verification import accepted_length
 
 __all__ = [
@@ -80,15 +81,6 @@ logger = logging.getLogger(__name__)
 # Roll the common left padding out of the batch cache once every row has at
 # least this much (a copy of the cache, so not every step).
 COMPACT_LEFT_PADDING = 64
-
-
-@dataclass
-class RequestUsage:
-    """Per-request drafting counters, updated by the generation thread."""
-
-    drafted: int = 0
-    accepted: int = 0
-    steps: int = 0
 
 
 @dataclass
@@ -112,44 +104,6 @@ class RowOptions:
     prompt: Optional[Sequence[int]] = None
     usage: Optional[RequestUsage] = None
     use_drafter: bool = True
-
-
-@dataclass
-class BatchDraftStats:
-    """Counters of a suffix batch: forwards by kind and batch sizes seen."""
-
-    verify_steps: int = 0
-    unpipelined_steps: int = 0
-    plain_steps: int = 0
-    check_steps: int = 0
-    verify_rows: int = 0
-    max_batch_size: int = 0
-    max_verify_batch_size: int = 0
-    uneven_rollbacks: int = 0
-    compactions: int = 0
-    finish_trims: int = 0
-
-    def as_dict(self) -> Dict[str, Any]:
-        d = dict(self.__dict__)
-        d["mean_verify_batch_size"] = (
-            self.verify_rows / self.verify_steps if self.verify_steps else 0.0
-        )
-        return d
-
-    def merge(self, other: "BatchDraftStats") -> None:
-        for k in (
-            "verify_steps",
-            "unpipelined_steps",
-            "plain_steps",
-            "check_steps",
-            "verify_rows",
-            "uneven_rollbacks",
-            "compactions",
-            "finish_trims",
-        ):
-            setattr(self, k, getattr(self, k) + getattr(other, k))
-        self.max_batch_size = max(self.max_batch_size, other.max_batch_size)
-        self.max_verify_batch_size = max(self.max_verify_batch_size, other.max_verify_batch_size)
 
 
 class SuffixGenerationBatch(GenerationBatch):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 from arctic_inference.suffix_decoding import SuffixDecodingCache
@@ -21,7 +21,7 @@ from arctic_inference.suffix_decoding import SuffixDecodingCache
 from .copying import PromptCopy
 from .policy import LONG_MATCH, Calibration, VerifyCost
 from .policy.rules import Policy
-from .stats import histogram
+from .stats import DraftStats
 
 DEFAULT_NUM_DRAFT_TOKENS = 64
 DEFAULT_MAX_TREE_DEPTH = 96
@@ -66,30 +66,6 @@ class Draft:
 
     def truncate(self, n: int) -> "Draft":
         return replace(self, tokens=self.tokens[:n], probs=self.probs[:n])
-
-
-@dataclass
-class DraftStats:
-    """Cumulative counters. A *step* is one forward of the target model."""
-
-    requests: int = 0
-    steps: int = 0
-    draft_steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    tokens: int = 0
-    # Sum of the trees' probability estimates over verified draft tokens.
-    expected: float = 0.0
-    # Verified draft length -> number of steps.
-    lengths: Dict[int, int] = field(default_factory=dict)
-
-    def as_dict(self) -> Dict[str, Any]:
-        d = asdict(self)
-        d["lengths"] = histogram(self.lengths)
-        d["acceptance_rate"] = self.accepted / self.drafted if self.drafted else 0.0
-        d["expected_acceptance_rate"] = self.expected / self.drafted if self.drafted else 0.0
-        d["tokens_per_step"] = self.tokens / self.steps if self.steps else 0.0
-        return d
 
 
 @dataclass

@@ -1,10 +1,121 @@
-"""Counters of drafting, reported in stats and logs."""
+"""Counters of drafting: one base type for a drafter's, a batch's and a
+request's counts, with one way to report, add and subtract them.
+
+A *step* is one forward of the target model.
+"""
 
 from __future__ import annotations
 
-from typing import Dict
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, TypeVar
+
+C = TypeVar("C", bound="Counters")
 
 
 def histogram(lengths: Dict[int, int]) -> Dict[str, int]:
     """Draft-length histogram with string keys (JSON)."""
     return {str(k): v for k, v in sorted(lengths.items())}
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
+@dataclass
+class Counters:
+    """Base of the counter types: numbers add up (fields named ``max_*``
+    keep the larger), dicts of counts add up per key."""
+
+    def as_dict(self) -> Dict[str, Any]:
+        """The counts (dicts with string keys), for JSON."""
+        return {
+            f.name: histogram(v) if isinstance(v, dict) else v
+            for f in fields(self)
+            for v in (getattr(self, f.name),)
+        }
+
+    def merge(self, other: "Counters") -> None:
+        """Add ``other``'s counts to these."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, dict):
+                for k, v in theirs.items():
+                    mine[k] = mine.get(k, 0) + v
+            elif f.name.startswith("max_"):
+                setattr(self, f.name, max(mine, theirs))
+            else:
+                setattr(self, f.name, mine + theirs)
+
+    def delta(self: C, before: C) -> C:
+        """The counts since ``before`` (an earlier :meth:`copy` of these;
+        ``max_*`` fields are the current ones)."""
+        out = type(self)()
+        for f in fields(self):
+            now, then = getattr(self, f.name), getattr(before, f.name)
+            if isinstance(now, dict):
+                value = {k: v - then.get(k, 0) for k, v in now.items() if v != then.get(k, 0)}
+            elif f.name.startswith("max_"):
+                value = now
+            else:
+                value = now - then
+            setattr(out, f.name, value)
+        return out
+
+    def copy(self: C) -> C:
+        """A snapshot of the counts."""
+        out = type(self)()
+        out.merge(self)
+        return out
+
+
+@dataclass
+class DraftStats(Counters):
+    """A drafter's counts over all its requests."""
+
+    requests: int = 0
+    steps: int = 0
+    draft_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    tokens: int = 0
+    #: Sum of the trees' probability estimates over verified draft tokens.
+    expected: float = 0.0
+    #: Verified draft length -> number of steps.
+    lengths: Dict[int, int] = field(default_factory=dict)
+
+    def as_dict(self) -> Dict[str, Any]:
+        d = super().as_dict()
+        d["acceptance_rate"] = _ratio(self.accepted, self.drafted)
+        d["expected_acceptance_rate"] = _ratio(self.expected, self.drafted)
+        d["tokens_per_step"] = _ratio(self.tokens, self.steps)
+        return d
+
+
+@dataclass
+class RequestUsage(Counters):
+    """One request's counts, updated by the generation thread."""
+
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+
+
+@dataclass
+class BatchDraftStats(Counters):
+    """A batch's forwards by kind and the batch sizes seen."""
+
+    verify_steps: int = 0
+    unpipelined_steps: int = 0
+    plain_steps: int = 0
+    check_steps: int = 0
+    verify_rows: int = 0
+    max_batch_size: int = 0
+    max_verify_batch_size: int = 0
+    uneven_rollbacks: int = 0
+    compactions: int = 0
+    finish_trims: int = 0
+
+    def as_dict(self) -> Dict[str, Any]:
+        d = super().as_dict()
+        d["mean_verify_batch_size"] = _ratio(self.verify_rows, self.verify_steps)
+        return d
