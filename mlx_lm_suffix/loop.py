@@ -155,6 +155,15 @@ def suffix_generate_step(
         free = rollback.room(cache, ctx_limit) - (not pipelined)
         return int(min(num_draft_tokens, limit - emitted - 1, free))
 
+    def replay(saved: rollback.Checkpoint, n: int, rejected: int, kept: mx.array) -> int:
+        """Drop the last ``rejected`` of the ``n`` positions fed since
+        ``saved``; where the cache went back to ``saved``, feed ``kept``
+        (the rest) again. Returns the positions now in the cache since."""
+        if rollback.undo(cache, saved, n, rejected):
+            model(kept[None], cache=cache)
+            return kept.size
+        return n - rejected
+
     req = drafter.start(prompt.tolist() if draft_prompt is None else draft_prompt, draft_scope)
     emitted = 0
     # Accepted tokens in the cache past the last one yielded (a close in the
@@ -213,7 +222,9 @@ def suffix_generate_step(
 
                 k = room(pipelined=nxt is not None) if drafting else 0
                 draft = drafter.propose(req, k) if k > 0 else Draft()
-                draft = draft.truncate(policy.length(draft, pipelined=nxt is not None))
+                if draft:
+                    dear = rollback.replays(cache, len(draft) + 1)
+                    draft = draft.truncate(policy.length(draft, nxt is not None, dear))
                 if not draft:
                     if nxt is None:
                         plain_tic = time.perf_counter()
@@ -236,6 +247,7 @@ def suffix_generate_step(
                     inputs = mx.array(draft.tokens, mx.uint32)
                 else:
                     inputs = mx.array([t] + draft.tokens, mx.uint32)
+                saved = rollback.checkpoint(cache)
                 tic = time.perf_counter()
                 out, out_lp = forward(inputs)
                 targets = out.tolist()
@@ -245,8 +257,11 @@ def suffix_generate_step(
                     out_lp = mx.concatenate([first_lp, out_lp])
                 k = len(draft)
                 a = accepted_length(draft.tokens, targets)
-                rollback.trim(cache, k - a)
-                fed(inputs[: inputs.size - (k - a)])
+                kept = inputs[: inputs.size - (k - a)]
+                # In the cache since the checkpoint: what the forward fed, or
+                # after a restore, the accepted tokens fed again.
+                since = replay(saved, inputs.size, k - a, kept)
+                fed(kept)
                 drafter.record(drafted=k, accepted=a, draft=draft, req_id=req)
                 last_in_cache = True
                 for i in range(a):
@@ -264,7 +279,7 @@ def suffix_generate_step(
             # Leave exactly the yielded tokens in the cache, as generate_step
             # does, also when the caller stops in the middle of a draft.
             if unyielded and not failed:
-                rollback.trim(cache, unyielded)
+                replay(saved, since, unyielded, kept[: kept.size - unyielded])
             elif not last_in_cache and not failed:
                 forward(pending[0])
                 mx.eval([c.state for c in cache])

@@ -8,55 +8,133 @@ last ``n`` positions are undone, for one sequence and for the rows of a
 batch; a kind missing from the table cannot draft (the loops then generate
 one token per step, as stock does).
 
-- Single sequence: ``KVCache``, ``QuantizedKVCache``, ``ConcatenateKVCache``
-  and ``ChunkedKVCache`` trim; a ``RotatingKVCache`` trims only while it has
-  not wrapped, so a draft may fill it at most up to ``max_size - 1``; a
-  ``CacheList`` trims each of its caches.
-- Batch: ``BatchKVCache`` trims every row by the smallest count, then rolls
-  each row's remaining rejected positions into its left padding, which the
-  attention mask ignores (the move ``BatchKVCache.finalize`` makes for
-  right-padded prompts). The roll copies the cache, so it is skipped when
-  every row rejects the same count.
+Single sequence, three ways:
+
+- :data:`TRIM` (``KVCache``, ``QuantizedKVCache``, ``ConcatenateKVCache``,
+  ``ChunkedKVCache``): drop the last ``n`` positions.
+- :data:`RESTORE` (``ArraysCache``: recurrent state, which cannot be
+  trimmed): put back the state saved before the forward
+  (:func:`checkpoint`; MLX arrays are immutable, so saving costs no copy).
+  The accepted tokens are then no longer in the cache and are fed again.
+- :data:`EITHER` (``RotatingKVCache``, a sliding window): trim while it has
+  not wrapped, else restore.
+
+When any layer restores, every layer goes back to the checkpoint (the
+trimming ones drop all positions fed since), so that all of them hold the
+same tokens; :func:`undo` then says how many of the fed tokens to feed
+again. A ``CacheList`` does this for each of its caches.
+
+Batch: ``BatchKVCache`` trims every row by the smallest count, then rolls
+each row's remaining rejected positions into its left padding, which the
+attention mask ignores (the move ``BatchKVCache.finalize`` makes for
+right-padded prompts). The roll copies the cache, so it is skipped when
+every row rejects the same count.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from mlx_lm.models import cache as _cache
 
+TRIM, RESTORE, EITHER = "trim", "restore", "either"
 
-class Kind(NamedTuple):
-    """How a cache class rolls back: ``room(c)``, positions that may still
-    be fed and undone (``math.inf``: no bound but the context); ``undo(c,
-    n)``, drop the last ``n`` (single) or row ``i``'s last ``n[i]`` (batch)."""
+#: Single-sequence cache kinds and how each undoes positions.
+SINGLE: Dict[type, str] = {
+    _cache.KVCache: TRIM,
+    _cache.QuantizedKVCache: TRIM,
+    _cache.ConcatenateKVCache: TRIM,
+    _cache.ChunkedKVCache: TRIM,
+    _cache.RotatingKVCache: EITHER,
+    _cache.ArraysCache: RESTORE,
+}
 
-    room: Callable[[Any], float]
-    undo: Callable[[Any, Any], None]
+
+def _layers(cache: List[Any]) -> List[Any]:
+    """The caches of every layer, those of a ``CacheList`` one by one."""
+    out = []
+    for c in cache:
+        out.extend(_layers(c.caches) if type(c) is _cache.CacheList else [c])
+    return out
+
+
+def supports(cache: List[Any]) -> bool:
+    """Whether every layer of a single-sequence cache can roll back."""
+    layers = _layers(cache)
+    return bool(layers) and all(type(c) in SINGLE for c in layers)
+
+
+class Checkpoint(NamedTuple):
+    """The states of the layers that may have to restore, by layer index."""
+
+    states: Dict[int, Any]
+
+
+def _saved(state: Any) -> Any:
+    # An ArraysCache's state holds the list its layers assign into in place.
+    return tuple(list(v) if isinstance(v, list) else v for v in state)
+
+
+def checkpoint(cache: List[Any]) -> Checkpoint:
+    """Save what :func:`undo` needs, right before a forward (no copy)."""
+    return Checkpoint(
+        {i: _saved(c.state) for i, c in enumerate(_layers(cache)) if SINGLE[type(c)] != TRIM}
+    )
+
+
+def undo(cache: List[Any], saved: Checkpoint, fed: int, rejected: int) -> int:
+    """Drop the last ``rejected`` of the ``fed`` positions fed since
+    ``saved`` was taken. Returns how many of the fed tokens (the first ones)
+    must be fed again: ``0`` when every layer could trim, else ``fed -
+    rejected`` (every layer is back at the checkpoint)."""
+    if rejected <= 0:
+        return 0
+    layers = _layers(cache)
+    if all(SINGLE[type(c)] == TRIM or c.is_trimmable() for c in layers):
+        for c in layers:
+            _trim(c, rejected)
+        return 0
+    for i, c in enumerate(layers):
+        if i in saved.states and (SINGLE[type(c)] == RESTORE or not c.is_trimmable()):
+            c.state = saved.states[i]
+        else:
+            _trim(c, fed)
+    return fed - rejected
+
+
+def trim(cache: List[Any], n: int) -> None:
+    """Drop the last ``n`` positions of a cache whose layers all trim (a row
+    taken out of a ``BatchKVCache``, say)."""
+    for c in _layers(cache):
+        _trim(c, n)
+
+
+def room(cache: List[Any], limit: Optional[int] = None) -> float:
+    """How many more positions a single-sequence cache can be fed and still
+    be rolled back, within the context ``limit``."""
+    offsets = [c.offset for c in _layers(cache) if isinstance(getattr(c, "offset", None), int)]
+    if limit is None or not offsets:
+        return math.inf
+    return limit - max(offsets)
+
+
+def replays(cache: List[Any], n: int) -> bool:
+    """Whether a rejection after feeding ``n`` more positions may cost
+    feeding the accepted tokens again (:func:`undo`)."""
+    kinds = [(SINGLE.get(type(c)), c) for c in _layers(cache)]
+    return any(k == RESTORE or (k == EITHER and c.offset + n >= c.max_size) for k, c in kinds)
+
+
+def describe(cache: List[Any]) -> str:
+    """The cache kinds that cannot roll back, for messages."""
+    names = {type(c).__name__ for c in _layers(cache) if type(c) not in SINGLE}
+    return ", ".join(sorted(names or {type(c).__name__ for c in cache}))
 
 
 def _trim(c: Any, n: int) -> None:
-    if c.trim(n) != n:
+    if n and c.trim(n) != n:
         raise RuntimeError(f"{type(c).__name__} trimmed fewer than {n} positions")
-
-
-def _unbounded(c: Any) -> float:
-    return math.inf
-
-
-def _rotating_room(c: Any) -> float:
-    # Trimmable only while offset < max_size.
-    return c.max_size - c.offset - 1
-
-
-def _list_room(c: Any) -> float:
-    return min((_kind(SINGLE, x).room(x) for x in c.caches), default=math.inf)
-
-
-def _list_undo(c: Any, n: int) -> None:
-    for x in c.caches:
-        _kind(SINGLE, x).undo(x, n)
 
 
 def plan(rejected: Sequence[int]) -> Tuple[int, List[int]]:
@@ -70,78 +148,26 @@ def plan(rejected: Sequence[int]) -> Tuple[int, List[int]]:
 
 def _batch_kv_undo(c: Any, rejected: Sequence[int]) -> None:
     common, extra = plan(rejected)
-    if common:
-        _trim(c, common)
+    _trim(c, common)
     if any(extra):
         c.prepare(right_padding=list(extra))
         c.finalize()
 
 
-SINGLE: Dict[type, Kind] = {
-    _cache.KVCache: Kind(_unbounded, _trim),
-    _cache.QuantizedKVCache: Kind(_unbounded, _trim),
-    _cache.ConcatenateKVCache: Kind(_unbounded, _trim),
-    _cache.ChunkedKVCache: Kind(_unbounded, _trim),
-    _cache.RotatingKVCache: Kind(_rotating_room, _trim),
-    _cache.CacheList: Kind(_list_room, _list_undo),
-}
-BATCH: Dict[type, Kind] = {
-    _cache.BatchKVCache: Kind(_unbounded, _batch_kv_undo),
-}
-
-
-def _kind(table: Dict[type, Kind], c: Any) -> Optional[Kind]:
-    # Exact classes only: a subclass may keep its state in other ways.
-    return table.get(type(c))
-
-
-def _supported(table: Dict[type, Kind], cache: List[Any]) -> bool:
-    def ok(c: Any) -> bool:
-        if _kind(table, c) is None:
-            return False
-        return table is not SINGLE or type(c) is not _cache.CacheList or all(map(ok, c.caches))
-
-    return bool(cache) and all(ok(c) for c in cache)
-
-
-def supports(cache: List[Any]) -> bool:
-    """Whether every layer of a single-sequence cache can roll back."""
-    return _supported(SINGLE, cache)
+#: Batch cache kinds and how each drops row ``i``'s last ``rejected[i]``.
+BATCH = {_cache.BatchKVCache: _batch_kv_undo}
 
 
 def supports_batch(cache: List[Any]) -> bool:
     """Whether every layer of a batch cache can roll rows back."""
-    return _supported(BATCH, cache)
-
-
-def describe(cache: List[Any]) -> str:
-    """The cache kinds that cannot roll back, for messages."""
-    bad = {type(c).__name__ for c in cache if type(c) not in SINGLE and type(c) not in BATCH}
-    return ", ".join(sorted(bad)) or ", ".join(sorted({type(c).__name__ for c in cache}))
-
-
-def room(cache: List[Any], limit: Optional[int] = None) -> float:
-    """How many more positions a single-sequence cache can be fed and still
-    be rolled back, within the context ``limit``."""
-    n = min(_kind(SINGLE, c).room(c) for c in cache)
-    offsets = [c.offset for c in cache if isinstance(getattr(c, "offset", None), int)]
-    if limit is not None and offsets:
-        n = min(n, limit - max(offsets))
-    return n
-
-
-def trim(cache: List[Any], n: int) -> None:
-    """Drop the last ``n`` positions of a single-sequence cache."""
-    if n > 0:
-        for c in cache:
-            _kind(SINGLE, c).undo(c, n)
+    return bool(cache) and all(type(c) in BATCH for c in cache)
 
 
 def trim_rows(cache: List[Any], rejected: Sequence[int]) -> None:
     """Drop the last ``rejected[i]`` positions of row ``i`` of a batch cache."""
     if any(rejected):
         for c in cache:
-            _kind(BATCH, c).undo(c, rejected)
+            BATCH[type(c)](c, rejected)
 
 
 def batch_length_bound(cache: List[Any]) -> int:

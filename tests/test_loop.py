@@ -424,7 +424,9 @@ def test_sampling_distribution_matches_target():
     assert drafter.stats.accepted > 0  # drafts were really accepted while sampling
 
 
-def test_untrimmable_cache_falls_back_and_warns_once():
+def test_recurrent_model_drafts_and_equals_stock():
+    """Mamba's state (ArraysCache) cannot be trimmed: a rejection restores it
+    and feeds the accepted tokens again; the output stays stock's."""
     mx.random.seed(0)
     args = mamba.ModelArgs(model_type="mamba", vocab_size=64, hidden_size=32,
                            intermediate_size=64, state_size=8, num_hidden_layers=2,
@@ -432,7 +434,38 @@ def test_untrimmable_cache_falls_back_and_warns_once():
                            time_step_rank=4)
     model = mamba.Model(args)
     mx.eval(model.parameters())
-    prompt = [1, 2, 3, 4] * 6
+    drafter = SuffixDrafter(policy="fixed", num_draft_tokens=8)
+    for prompt in ([1, 2, 3, 4] * 6, [5, 9, 9, 2, 7] * 5 + [5]):
+        ref = _stock(model, prompt, max_tokens=30)
+        out, drafted = _suffix(model, prompt, drafter, max_tokens=30)
+        assert out == ref and drafted > 0
+    assert drafter.stats.accepted < drafter.stats.drafted  # some were rejected
+
+
+class _OpaqueCache(KVCache):
+    """A cache kind the rollback table does not know."""
+
+
+class _Opaque(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    @property
+    def layers(self):
+        return self.inner.layers
+
+    def make_cache(self):
+        return [_OpaqueCache() for _ in self.inner.layers]
+
+    def __call__(self, inputs, cache=None, **kw):
+        return self.inner(inputs, cache=cache, **kw)
+
+
+def test_unknown_cache_kind_falls_back_and_warns_once(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    model = _Opaque(model)
+    prompt = _prompts(tokenizer, 2)[1]
     ref = _stock(model, prompt, max_tokens=20)
     drafter = SuffixDrafter()
     with warnings.catch_warnings(record=True) as w:
@@ -440,7 +473,7 @@ def test_untrimmable_cache_falls_back_and_warns_once():
         out1, d1 = _suffix(model, prompt, drafter, max_tokens=20)
         out2, d2 = _suffix(model, prompt, drafter, max_tokens=20)
     msgs = [x for x in w if "cannot be rolled back" in str(x.message)]
-    assert len(msgs) == 1
+    assert len(msgs) == 1 and "_OpaqueCache" in str(msgs[0].message)
     assert out1 == out2 == ref and d1 == d2 == 0
     assert drafter.active_requests == 0
 

@@ -64,18 +64,49 @@ def test_rollback_batch_matches_per_row_content(lengths, steps):
         assert cache.offset.tolist() == [len(r) for r in rows]
 
 
+class _Opaque(KVCache):
+    """A kind the table does not know."""
+
+
 def test_supported_kinds():
-    assert rollback.supports([KVCache(), CacheList(KVCache(), KVCache())])
-    assert not rollback.supports([KVCache(), ArraysCache(2)])
-    assert not rollback.supports([CacheList(KVCache(), ArraysCache(2))])
+    assert rollback.supports([KVCache(), CacheList(KVCache(), ArraysCache(2))])
+    assert rollback.supports([RotatingKVCache(max_size=4), ArraysCache(2)])
+    assert not rollback.supports([KVCache(), _Opaque()])
+    assert not rollback.supports([CacheList(KVCache(), _Opaque())])
     assert not rollback.supports([])
     assert rollback.supports_batch([BatchKVCache([0, 1])])
     assert not rollback.supports_batch([KVCache()])
-    assert "ArraysCache" in rollback.describe([KVCache(), ArraysCache(2)])
+    assert rollback.describe([KVCache(), _Opaque()]) == "_Opaque"
 
 
-def test_room_of_a_rotating_cache_stops_before_it_wraps():
+def test_room_is_the_context_limit():
     c = RotatingKVCache(max_size=8)
     c.update_and_fetch(_kv([1, 2, 3]), _kv([1, 2, 3]))
-    assert rollback.room([c]) == 4  # up to max_size - 1 positions in all
-    assert rollback.room([KVCache(), c], limit=5) == 2  # the context limit binds
+    assert rollback.room([c]) == float("inf")  # a wrapped window restores
+    assert rollback.room([KVCache(), c], limit=5) == 2
+
+
+def test_undo_restores_what_cannot_trim():
+    """A forward of 4 positions, 3 rejected: layers that trim keep the first;
+    when a wrapped window or a recurrent state restores, every layer goes
+    back to the checkpoint and the accepted position is fed again."""
+    kv, rot = KVCache(), RotatingKVCache(max_size=5)
+    for c in (kv, rot):
+        c.update_and_fetch(_kv([1, 2]), _kv([1, 2]))
+    saved = rollback.checkpoint([kv, rot])
+    for c in (kv, rot):
+        c.update_and_fetch(_kv([3, 9]), _kv([3, 9]))
+    assert rollback.undo([kv, rot], saved, 2, 1) == 0  # both still trim
+    assert kv.offset == rot.offset == 3
+    saved = rollback.checkpoint([kv, rot])
+    for c in (kv, rot):
+        c.update_and_fetch(_kv([4, 5, 6, 7]), _kv([4, 5, 6, 7]))
+    assert not rot.is_trimmable()
+    assert rollback.undo([kv, rot], saved, 4, 3) == 1
+    assert kv.offset == rot.offset == 3
+    assert rot.keys_and_values()[0].flatten().tolist() == [1, 2, 3]
+    s = ArraysCache(1)
+    s[0] = mx.array([1.0])
+    saved = rollback.checkpoint([s])
+    s[0] = mx.array([2.0])
+    assert rollback.undo([s], saved, 1, 1) == 0 and s[0].item() == 1.0

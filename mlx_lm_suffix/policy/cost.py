@@ -169,6 +169,8 @@ class VerifyCost:
         # Imported here: mlx_lm's import runs our patches, which import this.
         from mlx_lm.models.cache import make_prompt_cache
 
+        from .. import rollback
+
         vocab = getattr(getattr(model, "args", None), "vocab_size", 32)
         tokens = mx.arange(context + max(sizes)) % vocab
         points = {}
@@ -179,6 +181,7 @@ class VerifyCost:
             best, spent, runs = float("inf"), 0.0, 0
             # The first run warms up the kernels.
             while runs <= repeats or (spent < min_seconds and runs <= 20):
+                saved = rollback.checkpoint(cache)
                 tic = time.perf_counter()
                 out = model(tokens[None, context : context + n], cache=cache)
                 mx.eval(out)
@@ -186,8 +189,7 @@ class VerifyCost:
                 if runs:
                     best, spent = min(best, took), spent + took
                 runs += 1
-                for c in cache:
-                    c.trim(n)
+                rollback.undo(cache, saved, n, n)
                 if runs == 2 and took > 10 * min_seconds:
                     break
             points[n] = best

@@ -73,11 +73,12 @@ class Policy:
             draft.probs, draft.match_len, draft.last, draft.source, draft.tree_len, draft.tree_match
         )
 
-    def length(self, draft: Any, pipelined: bool) -> int:
-        """How many tokens of one sequence's ``draft`` to verify."""
+    def length(self, draft: Any, pipelined: bool, replay: bool = False) -> int:
+        """How many tokens of one sequence's ``draft`` to verify; ``replay``:
+        a rejection costs feeding the accepted tokens again."""
         n = len(draft)
         if n and self.cost_aware:
-            n = best_length(self.probs(draft), self.cost, pipelined=pipelined)
+            n = best_length(self.probs(draft), self.cost, pipelined, replay)
         return 0 if pipelined and n < 2 else n
 
     def batch_lengths(self, drafts: Sequence[Any], pipelined: bool, check: bool = True) -> List[int]:
@@ -125,7 +126,9 @@ def expected_accepted(probs: Sequence[float], length: int) -> float:
     return sum(probs[:length])
 
 
-def best_length(probs: Sequence[float], cost: VerifyCost, pipelined: bool = False) -> int:
+def best_length(
+    probs: Sequence[float], cost: VerifyCost, pipelined: bool = False, replay: bool = False
+) -> int:
     """Draft length maximising expected committed tokens per second for one
     sequence; ``0`` when no draft beats a plain step. ``probs``: cumulative
     acceptance probabilities (the trees' estimates scaled by
@@ -136,15 +139,23 @@ def best_length(probs: Sequence[float], cost: VerifyCost, pipelined: bool = Fals
     already running: it checks the draft's first token for free, and only a
     draft whose first token it confirms is verified, feeding that token plus
     the rest; so a draft is worth it when its tail is, given its first token.
+
+    ``replay``: a draft not accepted in full costs one more forward, over the
+    tokens it committed (the cache went back to before the verification,
+    see :func:`~mlx_lm_suffix.rollback.undo`), counted at the expected
+    number of them.
     """
     if pipelined:
-        tail = best_length(given_first(probs), cost)
+        tail = best_length(given_first(probs), cost, replay=replay)
         return tail + 1 if tail else 0
     best, best_rate = 0, 1.0 / cost(1)
     gain = 1.0
     for i, p in enumerate(probs):
         gain += p
-        rate = gain / cost(i + 2)
+        step = cost(i + 2)
+        if replay:
+            step += (1.0 - p) * cost(max(1, round(gain)))
+        rate = gain / step
         if rate > best_rate:
             best, best_rate = i + 1, rate
     return best
