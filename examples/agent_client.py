@@ -149,7 +149,7 @@ def main() -> None:
         run_agent(OpenAI(base_url=args.base_url, api_key="none"), args.turns, args.max_tokens)
         return
     if args.model is None:
-        from mlx_lm_suffix.tiny_model import ensure_model
+        from mlx_lm_suffix.tools.models import ensure_model
 
         args.model = str(ensure_model("qwen3", "small"))
     with local_server(args.model, args.suffix_policy) as base_url:

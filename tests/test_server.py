@@ -18,9 +18,9 @@ import mlx_lm  # noqa: F401  (first: mlx_lm_suffix.policy imports mlx_lm)
 import pytest
 from openai import OpenAI
 
-from mlx_lm_suffix.bench import free_port, stop_process
 from mlx_lm_suffix.drafter import DEFAULT_NUM_DRAFT_TOKENS, SuffixDrafter
 from mlx_lm_suffix.persistence import read_cache_file, save_cache_file
+from mlx_lm_suffix.tools.bench import free_port, stop_process
 
 SERVER = str(Path(sys.executable).with_name("mlx_lm.server"))
 MAX_TOKENS = 32

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .drafter import Draft, SuffixDrafter
+from ..drafter import Draft, SuffixDrafter
 from .workloads import read_jsonl, read_workload
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
@@ -157,7 +157,7 @@ def prompt_ids_for(tokenizer: Any, body: Dict[str, Any]) -> List[int]:
 
 
 def load_requests(records: Sequence[Dict[str, Any]], tokenizer: Any) -> List[Request]:
-    """Tokenize workload records (see :mod:`mlx_lm_suffix.workloads`)."""
+    """Tokenize workload records (see :mod:`mlx_lm_suffix.tools.workloads`)."""
     out = []
     for r in records:
         body = {"messages": r["messages"]} if "messages" in r else {"prompt": r["prompt"]}
@@ -548,7 +548,7 @@ def server_process(
     if suffix:
         args += ["--draft", "suffix"]
     args += list(extra_args)
-    cmd = [sys.executable, "-c", "import sys; from mlx_lm_suffix.bench import serve_main; serve_main(sys.argv[1:])", *args]
+    cmd = [sys.executable, "-c", "import sys; from mlx_lm_suffix.tools.bench import serve_main; serve_main(sys.argv[1:])", *args]
     logf = open(log, "ab") if log else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -669,8 +669,8 @@ def server_stats(url: str) -> Optional[Dict[str, Any]]:
 
 # ------------------------------------------------------------------ driver
 def is_local_random_model(path: str) -> bool:
-    """True for a model folder built by :mod:`mlx_lm_suffix.tiny_model`."""
-    from .tiny_model import cache_root
+    """True for a model folder built by :mod:`mlx_lm_suffix.tools.models`."""
+    from .models import cache_root
 
     try:
         p = Path(path).resolve()

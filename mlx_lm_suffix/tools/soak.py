@@ -169,7 +169,7 @@ def run_soak(
     import psutil
 
     if model is None:
-        from .tiny_model import ensure_model
+        from .models import ensure_model
 
         model = str(ensure_model("qwen3", "tiny"))
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="mlx-lm-suffix-soak-"))

@@ -30,7 +30,7 @@ def run_demo(
 ) -> Dict[str, Any]:
     """Run the demo; returns per-workload results
     ``{name: {"stock": {...}, "suffix": {...}, "outputs_match": bool}}``."""
-    from .tiny_model import ensure_model
+    from .models import ensure_model
 
     echo(f"Building/loading the local '{size}' model (random weights, cached) ...")
     model_path = ensure_model("qwen3", size, cache_dir=cache_dir)

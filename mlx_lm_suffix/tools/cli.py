@@ -1,8 +1,8 @@
 """The ``mlx-lm-suffix`` command line (also ``python -m mlx_lm_suffix``).
 
 Each subcommand is a thin ``click`` wrapper around a module that holds its
-logic (``simulate`` -> :mod:`mlx_lm_suffix.simulate`, ``parity`` ->
-:mod:`mlx_lm_suffix.parity`).
+logic (``simulate`` -> :mod:`mlx_lm_suffix.tools.simulate`, ``parity`` ->
+:mod:`mlx_lm_suffix.tools.parity`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Callable, List, Optional, Union
 
 import click
 
-from .drafter import (
+from ..drafter import (
     DEFAULT_MAX_CACHED_REQUESTS,
     DEFAULT_MAX_SPEC_FACTOR,
     DEFAULT_MAX_SPEC_OFFSET,
@@ -314,7 +314,7 @@ def bench_command(
     from . import bench as b
 
     b.maybe_reexec_with_openblas(blas)
-    from .tiny_model import ensure_model
+    from .models import ensure_model
     from .workloads import write_workloads
 
     model_path = model or str(ensure_model("qwen3", size))
