@@ -52,12 +52,12 @@ def run_demo(
         echo(f"Starting mlx_lm.server{' --draft suffix' if suffix else ''} (log: {log}) ...")
         with bench.server_process(
             str(model_path), suffix=suffix, script=script, eos_id=eos_id, blas=blas, log=log
-        ) as url:
-            bench.http_generate(url, workloads["agentic"][0], 4)  # warm-up
+        ) as server:
+            bench.http_generate(server.url, workloads["agentic"][0], 4)  # warm-up
             for name, requests in workloads.items():
                 samples, outs = [], []
                 for r in requests:
-                    s, text = bench.http_generate(url, r, max_tokens)
+                    s, text = bench.http_generate(server.url, r, max_tokens)
                     samples.append(s)
                     outs.append(text)
                 results.setdefault(name, {})[kind] = bench.summarize(samples)
