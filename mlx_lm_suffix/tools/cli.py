@@ -42,6 +42,11 @@ def _write_json(path: Union[str, os.PathLike], data: Any) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
+def _json_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A ``--json FILE`` option, passed as ``json_out`` (None when not given)."""
+    return click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help=help)
+
+
 @click.group(name="mlx-lm-suffix")
 def main() -> None:
     """Suffix decoding for mlx-lm: tools."""
@@ -86,13 +91,7 @@ def main() -> None:
     "key 1. Default: assume cost(k draft tokens) = 1 + 0.04 k decode steps.",
 )
 @click.option("--warm", is_flag=True, help="Fill the global cache with every response first.")
-@click.option(
-    "--json",
-    "json_out",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Write the results (and the recommendation) to this JSON file.",
-)
+@_json_option("Write the results (and the recommendation) to this JSON file.")
 def simulate_command(
     log: str,
     model: Optional[str],
@@ -178,13 +177,7 @@ def simulate_command(
     help="Cast the model weights to this dtype.",
 )
 @click.option("--strict", is_flag=True, help="Exit non-zero on near ties too.")
-@click.option(
-    "--json",
-    "json_out",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Write the per-prompt results to this JSON file.",
-)
+@_json_option("Write the per-prompt results to this JSON file.")
 @click.pass_context
 def parity_command(
     ctx: click.Context,
