@@ -29,11 +29,13 @@ from ..serving import STATS_PATH
 HOST = "127.0.0.1"
 #: The stock server's module (patched by the startup hook as usual).
 MLX_LM_SERVER = (sys.executable, "-m", "mlx_lm.server")
+#: Seconds a server may take to become ready (loading the model included).
+READY_TIMEOUT = 300.0
 # Characters of the log quoted in a startup error.
 _LOG_TAIL = 4000
 
 
-def free_port() -> int:
+def _free_port() -> int:
     """A TCP port free on 127.0.0.1 now (the server binds it moments later)."""
     with socket.socket() as s:
         s.bind((HOST, 0))
@@ -73,10 +75,10 @@ class ServerProcess:
         log: Optional[Union[str, os.PathLike]] = None,
         append_log: bool = False,
         wait: bool = True,
-        timeout: float = 300.0,
+        timeout: float = READY_TIMEOUT,
     ):
         args = [str(a) for a in args]
-        self.port = free_port()
+        self.port = _free_port()
         self.url = f"http://{HOST}:{self.port}"
         self._suffix = "--draft" in args
         self.log_path = Path(log) if log is not None else None
@@ -134,7 +136,7 @@ class ServerProcess:
         except (OSError, http.client.HTTPException, ValueError, KeyError):
             return False
 
-    def wait_ready(self, timeout: float = 300.0) -> None:
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
         """Return once the server answers (see the module doc); raise
         :class:`ServerError` if it exits first or is not ready within
         ``timeout`` seconds (the server is left running then)."""
