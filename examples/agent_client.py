@@ -22,14 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from openai import OpenAI
 
@@ -52,41 +46,6 @@ SYSTEM = (
     '{"name": ..., "arguments": {...}} and nothing else. Tools:\n' + json.dumps(TOOLS, indent=2)
 )
 CITIES = ["Paris", "Berlin", "Tokyo", "Lima", "Oslo", "Cairo"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def local_server(model: str, policy: str = "adaptive", timeout: float = 300.0) -> Iterator[str]:
-    """Start ``mlx_lm.server --draft suffix``, yield its base URL, stop it."""
-    port = free_port()
-    log = tempfile.TemporaryFile(mode="w+")
-    cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--draft", "suffix",
-           "--suffix-policy", policy, "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:  # ready when /v1/models answers
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1)
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    raise RuntimeError(f"server did not start:\n{log.read()[-3000:]}") from None
-                time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
 
 
 def draft_fields(usage: Any, prefix: str = "") -> dict[str, Any]:
@@ -148,16 +107,17 @@ def main() -> None:
     if args.base_url:
         run_agent(OpenAI(base_url=args.base_url, api_key="none"), args.turns, args.max_tokens)
         return
-    if args.model is None:
-        from mlx_lm_suffix.tiny_model import ensure_model
+    from mlx_lm_suffix.tools.launcher import ServerProcess
+    from mlx_lm_suffix.tools.models import ensure_model
 
-        args.model = str(ensure_model("qwen3", "small"))
-    with local_server(args.model, args.suffix_policy) as base_url:
-        run_agent(OpenAI(base_url=base_url, api_key="none"), args.turns, args.max_tokens)
+    model = args.model or str(ensure_model("qwen3", "small"))
+    # On a free local port; stopped on leaving the `with`, Ctrl-C included.
+    with ServerProcess(model, "--draft", "suffix", "--suffix-policy", args.suffix_policy) as server:
+        run_agent(OpenAI(base_url=server.url + "/v1", api_key="none"), args.turns, args.max_tokens)
 
 
 if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt:
-        sys.exit(130)  # the server was stopped by local_server's finally
+        sys.exit(130)  # (the server is stopped by then)

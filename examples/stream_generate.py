@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx_lm
 
 from mlx_lm_suffix import SuffixDrafter
-from mlx_lm_suffix.tiny_model import ensure_model
+from mlx_lm_suffix.tools.models import ensure_model
 
 QUESTIONS = [
     "Write a Python function that parses a CSV line into a list of fields.",

@@ -17,7 +17,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mlx_lm_suffix.simulate import format_table, read_records, recommend, server_command, simulate
+from mlx_lm_suffix.tools.simulate import (
+    format_table,
+    read_records,
+    recommend,
+    server_command,
+    simulate,
+)
 
 GRID = {
     "num_draft_tokens": [4, 8, 16],

@@ -1,3 +1,3 @@
-from mlx_lm_suffix.cli import main
+from mlx_lm_suffix.tools.cli import main
 
 main()

@@ -17,13 +17,13 @@ def models_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_path(models_dir) -> Path:
-    from mlx_lm_suffix.tiny_model import ensure_model
+    from mlx_lm_suffix.tools.models import ensure_model
 
     return ensure_model("qwen3", "tiny", cache_dir=models_dir)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_path(models_dir) -> Path:
-    from mlx_lm_suffix.tiny_model import ensure_model
+    from mlx_lm_suffix.tools.models import ensure_model
 
     return ensure_model("llama", "tiny", cache_dir=models_dir)

@@ -6,8 +6,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from mlx_lm_suffix import bench, workloads
-from mlx_lm_suffix.cli import main
+from mlx_lm_suffix.tools import bench, workloads
+from mlx_lm_suffix.tools.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -67,9 +67,12 @@ def test_fresh_venv_pip_install(tmp_path, tiny_model_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = str(venv / "bin" / "python")
+    # The new environment's own: no $PYTHONPATH (a source checkout on it
+    # would shadow the installed package).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     site = subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True, check=True, env=env,
     ).stdout.strip()
     # Dependencies: this environment's site-packages, appended to sys.path
     # (its own .pth files, including our editable install, are not run).
@@ -77,18 +80,18 @@ def test_fresh_venv_pip_install(tmp_path, tiny_model_path):
     build = subprocess.run(
         [python, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
          "--no-index", str(ROOT)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env=env,
     )
     assert build.returncode == 0, build.stderr
     assert (Path(site) / "mlx_lm_suffix.pth").exists()
     where = subprocess.run(
         [python, "-c", "import mlx_lm_suffix, mlx_lm; print(mlx_lm_suffix.__file__); "
          "print(hasattr(mlx_lm.stream_generate, '__wrapped__'))"],
-        capture_output=True, text=True, check=True, cwd=tmp_path,
+        capture_output=True, text=True, check=True, cwd=tmp_path, env=env,
     ).stdout.split()
     assert where[0].startswith(site) and where[1] == "True"
     stock, _ = _generate(sys.executable, tiny_model_path)
-    ours, out = _generate(python, tiny_model_path, "--suffix-draft", "--verbose", "True")
+    ours, out = _generate(python, tiny_model_path, "--suffix-draft", "--verbose", "True", env=env)
     assert ours == stock and "Suffix decoding: drafted" in out
 
 

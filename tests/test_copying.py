@@ -3,7 +3,7 @@ SuffixDrafter.propose, without a model."""
 
 from mlx_lm_suffix.copying import DRAFT_REJOIN_RUN, FAR_NGRAM, PromptCopy
 from mlx_lm_suffix.drafter import COPY_PROB, SuffixDrafter
-from mlx_lm_suffix.simulate import Record, replay
+from mlx_lm_suffix.tools.simulate import Record, replay
 from mlx_lm_suffix.verification import accepted_length
 
 # A "file" of distinct tokens: every n-gram in it occurs once.

@@ -1,4 +1,4 @@
-"""Greedy parity, spec-off vs spec-on (mlx_lm_suffix.parity) and its CLI."""
+"""Greedy parity, spec-off vs spec-on (mlx_lm_suffix.tools.parity) and its CLI."""
 
 import functools
 import json
@@ -7,9 +7,9 @@ import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
-from mlx_lm_suffix import parity as par
-from mlx_lm_suffix.cli import main
 from mlx_lm_suffix.loop import suffix_generate_step
+from mlx_lm_suffix.tools import parity as par
+from mlx_lm_suffix.tools.cli import main
 
 MAX_TOKENS = 24
 

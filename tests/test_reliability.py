@@ -382,7 +382,7 @@ def test_sigterm_under_load_keeps_cache_file_valid(short_model, logs, tmp_path):
 
 # --------------------------------------------------------------- soak
 def test_soak_small(tmp_path):
-    from mlx_lm_suffix.soak import run_soak
+    from mlx_lm_suffix.tools.soak import run_soak
 
     result = run_soak(requests=40, distinct_prompts=10, max_tokens=24,
                       max_cached_requests=8, max_cached_tokens=1000,

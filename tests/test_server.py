@@ -4,7 +4,6 @@ subprocess on loopback, a tiny float32 model loaded from disk, and the
 
 import concurrent.futures
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,9 +17,9 @@ import mlx_lm  # noqa: F401  (first: mlx_lm_suffix.policy imports mlx_lm)
 import pytest
 from openai import OpenAI
 
-from mlx_lm_suffix.bench import free_port, stop_process
 from mlx_lm_suffix.drafter import DEFAULT_NUM_DRAFT_TOKENS, SuffixDrafter
 from mlx_lm_suffix.persistence import read_cache_file, save_cache_file
+from mlx_lm_suffix.tools.launcher import ServerProcess
 
 SERVER = str(Path(sys.executable).with_name("mlx_lm.server"))
 MAX_TOKENS = 32
@@ -29,47 +28,15 @@ MAX_TOKENS = 32
 SUFFIX_FIXED = ("--draft", "suffix", "--suffix-policy", "fixed")
 
 
-class Server:
+class Server(ServerProcess):
     """``mlx_lm.server`` (or another ``launcher`` taking its arguments) in a
     subprocess, with extra ``env``; its log goes to a file."""
 
     def __init__(self, model, *args, log_dir, name="server", wait=True,
                  launcher=(SERVER,), env=None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(log_dir) / f"{name}-{self.port}.log"
-        self.suffix = "--draft" in args
-        self._log = open(self.log_path, "w")
-        full_env = dict(os.environ, MLX_LM_SUFFIX_SAVE_INTERVAL="0.2", **(env or {}))
-        self.proc = subprocess.Popen(
-            [*launcher, "--model", str(model), "--port", str(self.port), *map(str, args)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=full_env,
-            # Ctrl-C must reach the server even where the test run was started
-            # with SIGINT ignored (a background job of a non-interactive shell).
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )
-        if wait:
-            self.wait_ready()
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text()
-
-    def wait_ready(self, timeout=120):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200 and (not self.suffix or self.stats()["models"]):
-                        return  # (suffix: once the model has loaded)
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.05)  # polling interval, not synchronisation
-        raise TimeoutError(f"server not ready:\n{self.log()}")
+        super().__init__(model, *args, command=launcher, wait=wait, timeout=120,
+                         env={"MLX_LM_SUFFIX_SAVE_INTERVAL": "0.2", **(env or {})},
+                         log=Path(log_dir) / f"{name}.log")
 
     def client(self, api_key="none") -> OpenAI:
         return OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
@@ -102,11 +69,6 @@ class Server:
             if stats["active_requests"] == 0 or time.monotonic() > deadline:
                 return stats
             time.sleep(0.05)
-
-    def stop(self, sig=signal.SIGTERM, timeout=60) -> int:
-        code = stop_process(self.proc, sig, timeout)
-        self._log.close()
-        return code
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,13 @@
-"""Offline replay (mlx_lm_suffix.simulate) and the `simulate` CLI."""
+"""Offline replay (mlx_lm_suffix.tools.simulate) and the `simulate` CLI."""
 
 import json
 
 import pytest
 from click.testing import CliRunner
 
-from mlx_lm_suffix.cli import main
 from mlx_lm_suffix.drafter import DEFAULT_MAX_TREE_DEPTH, SuffixDrafter
-from mlx_lm_suffix.simulate import (
+from mlx_lm_suffix.tools.cli import main
+from mlx_lm_suffix.tools.simulate import (
     Record,
     cost_from_times,
     default_cost,

@@ -8,7 +8,7 @@ library's own sources, which every machine has.
 
 Typical use::
 
-    from mlx_lm_suffix.tiny_model import ensure_model
+    from mlx_lm_suffix.tools.models import ensure_model
     import mlx_lm
 
     model, tokenizer = mlx_lm.load(str(ensure_model("qwen3", "tiny")))

@@ -30,8 +30,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generate_step
 
-from .drafter import DEFAULT_NUM_DRAFT_TOKENS, SuffixDrafter
-from .loop import suffix_generate_step
+from ..drafter import DEFAULT_NUM_DRAFT_TOKENS, SuffixDrafter
+from ..loop import suffix_generate_step
 
 EXACT = "EXACT"
 NEAR_TIE = "NEAR_TIE"
@@ -126,12 +126,12 @@ def load_model(
     path: Union[str, os.PathLike, None] = None, dtype: Optional[str] = None
 ) -> Tuple[nn.Module, Any]:
     """``mlx_lm.load`` of ``path`` (default: the tiny qwen3 model of
-    :mod:`mlx_lm_suffix.tiny_model`), with floating weights cast to
+    :mod:`mlx_lm_suffix.tools.models`), with floating weights cast to
     ``dtype`` (e.g. ``"float32"``) when given."""
     import mlx_lm
 
     if path is None:
-        from .tiny_model import ensure_model
+        from .models import ensure_model
 
         path = ensure_model("qwen3", "tiny")
     model, tokenizer = mlx_lm.load(str(path))

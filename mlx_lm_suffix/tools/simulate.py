@@ -31,7 +31,7 @@ Log format (JSONL), one request per line::
 
 Text is tokenized without special tokens by the tokenizer of a model folder
 or Hugging Face id (only the tokenizer is loaded). Without one, the
-byte-level BPE tokenizer of :mod:`mlx_lm_suffix.tiny_model` (trained on the
+byte-level BPE tokenizer of :mod:`mlx_lm_suffix.tools.models` (trained on the
 Python standard library, 2048 tokens) is used: good enough to compare knobs,
 but token counts differ from a real model's.
 """
@@ -58,9 +58,9 @@ from typing import (
     Union,
 )
 
-from .drafter import Draft, SuffixDrafter
-from .policy import VerifyCost
-from .verification import accepted_length
+from ..drafter import Draft, SuffixDrafter
+from ..policy import VerifyCost
+from ..verification import accepted_length
 
 #: Knobs a grid may vary, in table order. Missing ones take SuffixDrafter's defaults.
 KNOBS = (
@@ -175,10 +175,10 @@ def load_encoder(tokenizer: Any = None) -> Callable[[str], List[int]]:
     loaded with ``mlx_lm.utils.load_tokenizer``), an object with an
     ``encode`` method (a ``transformers``/``tokenizers`` tokenizer or
     mlx-lm's ``TokenizerWrapper``), or ``None`` for the tiny model's BPE
-    tokenizer from :mod:`mlx_lm_suffix.tiny_model`.
+    tokenizer from :mod:`mlx_lm_suffix.tools.models`.
     """
     if tokenizer is None:
-        from .tiny_model import get_tokenizer
+        from .models import get_tokenizer
 
         tokenizer = get_tokenizer()
     elif isinstance(tokenizer, (str, os.PathLike)):

@@ -18,66 +18,35 @@ from __future__ import annotations
 import http.client
 import json
 import random
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .bench import free_port, stop_process
+from ..serving import STATS_PATH
+from .launcher import HOST, ServerProcess
 
 __all__ = ["run_soak"]
 
 
-class _Server:
-    """``mlx_lm.server`` in a subprocess on 127.0.0.1; log to a file."""
-
-    def __init__(self, model: str, args: List[str], log_path: Path, timeout: float = 300):
-        self.port = free_port()
-        self.host = "127.0.0.1"
-        self.log_path = log_path
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlx_lm.server", "--model", model,
-             "--host", self.host, "--port", str(self.port), *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        self.suffix = "--draft" in args
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}); see {log_path}")
-            try:
-                if self._get("/health")["status"] == "ok" and (
-                    not self.suffix or self.stats()["models"]
-                ):
-                    return
-            except (OSError, ValueError, KeyError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"server not ready; see {log_path}")
-            time.sleep(0.1)
+class _Server(ServerProcess):
+    """A server with the soak's requests."""
 
     def _get(self, path: str) -> Any:
-        url = f"http://{self.host}:{self.port}{path}"
-        with urllib.request.urlopen(url, timeout=30) as r:
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
             return json.loads(r.read())
 
     def stats(self) -> Dict[str, Any]:
-        return self._get("/v1/suffix/stats")
+        return self._get(STATS_PATH)
 
     def chat(self, body: Dict[str, Any], cut_after: Optional[int] = None,
              timeout: float = 300) -> Tuple[str, Optional[str]]:
         """POST a chat completion; returns (text, finish_reason). With
         ``cut_after``, stream and close the connection after that many
         events (returns the text so far, finish None)."""
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        conn = http.client.HTTPConnection(HOST, self.port, timeout=timeout)
         try:
             stream = cut_after is not None or body.get("stream", False)
             body = dict(body, stream=stream)
@@ -110,11 +79,6 @@ class _Server:
             return text, finish
         finally:
             conn.close()
-
-    def stop(self, timeout: float = 60) -> Optional[int]:
-        code = stop_process(self.proc, timeout=timeout)
-        self._log.close()
-        return code
 
 
 def _prompts(n: int, seed: int) -> List[str]:
@@ -169,7 +133,7 @@ def run_soak(
     import psutil
 
     if model is None:
-        from .tiny_model import ensure_model
+        from .models import ensure_model
 
         model = str(ensure_model("qwen3", "tiny"))
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="mlx-lm-suffix-soak-"))
@@ -186,20 +150,17 @@ def run_soak(
         }
 
     echo(f"soak: model {model}; logs in {logs}")
-    stock = _Server(model, [], logs / "stock.log")
-    try:
+    with _Server(model, log=logs / "stock.log") as stock:
         reference = [stock.chat(body(i)) for i in range(distinct_prompts)]
-    finally:
-        stock.stop()
     echo(f"soak: {distinct_prompts} reference outputs from the stock server "
          f"({time.monotonic() - t_start:.1f} s)")
 
     suffix = _Server(
         model,
-        ["--draft", "suffix",
-         "--suffix-max-cached-requests", str(max_cached_requests),
-         "--suffix-max-cached-tokens", str(max_cached_tokens)],
-        logs / "suffix.log",
+        "--draft", "suffix",
+        "--suffix-max-cached-requests", max_cached_requests,
+        "--suffix-max-cached-tokens", max_cached_tokens,
+        log=logs / "suffix.log",
     )
     proc = psutil.Process(suffix.proc.pid)
     rss: List[Tuple[float, int]] = []

@@ -30,7 +30,7 @@ def run_demo(
 ) -> Dict[str, Any]:
     """Run the demo; returns per-workload results
     ``{name: {"stock": {...}, "suffix": {...}, "outputs_match": bool}}``."""
-    from .tiny_model import ensure_model
+    from .models import ensure_model
 
     echo(f"Building/loading the local '{size}' model (random weights, cached) ...")
     model_path = ensure_model("qwen3", size, cache_dir=cache_dir)
@@ -52,12 +52,12 @@ def run_demo(
         echo(f"Starting mlx_lm.server{' --draft suffix' if suffix else ''} (log: {log}) ...")
         with bench.server_process(
             str(model_path), suffix=suffix, script=script, eos_id=eos_id, blas=blas, log=log
-        ) as url:
-            bench.http_generate(url, workloads["agentic"][0], 4)  # warm-up
+        ) as server:
+            bench.http_generate(server.url, workloads["agentic"][0], 4)  # warm-up
             for name, requests in workloads.items():
                 samples, outs = [], []
                 for r in requests:
-                    s, text = bench.http_generate(url, r, max_tokens)
+                    s, text = bench.http_generate(server.url, r, max_tokens)
                     samples.append(s)
                     outs.append(text)
                 results.setdefault(name, {})[kind] = bench.summarize(samples)

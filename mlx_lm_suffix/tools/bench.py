@@ -40,27 +40,32 @@ from __future__ import annotations
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .drafter import Draft, SuffixDrafter
+from ..drafter import Draft, SuffixDrafter
+from ..serving import STATS_PATH
+from .launcher import ServerProcess
 from .workloads import read_jsonl, read_workload
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 #: Environment variable naming the script JSONL read by :func:`serve_main`.
 SCRIPT_ENV = "MLX_LM_SUFFIX_SCRIPT"
+#: :func:`serve_main` as a server command (see :class:`ServerProcess`).
+SERVE_MAIN = (
+    sys.executable,
+    "-c",
+    "import sys; from mlx_lm_suffix.tools.bench import serve_main; serve_main(sys.argv[1:])",
+)
 #: Set in a process re-executed with OpenBLAS preloaded.
 BLAS_ENV = "MLX_LM_SUFFIX_BLAS"
 INPROCESS_ARMS = (
@@ -75,7 +80,6 @@ INPROCESS_ARMS = (
 DEFAULT_ARMS = ("stock", "suffix-cold", "suffix-warm", "oracle")
 SERVER_ARMS = ("server-stock", "server-stock-warm", "server-suffix-cold", "server-suffix-warm")
 SERVER_FIXED_ARMS = ("server-suffix-cold-fixed", "server-suffix-warm-fixed")
-STATS_PATH = "/v1/suffix/stats"
 USAGE_DRAFTED = "draft_tokens"
 USAGE_ACCEPTED = "accepted_draft_tokens"
 # Tokens at the end of a prompt that identify it in a scripted processor.
@@ -157,7 +161,7 @@ def prompt_ids_for(tokenizer: Any, body: Dict[str, Any]) -> List[int]:
 
 
 def load_requests(records: Sequence[Dict[str, Any]], tokenizer: Any) -> List[Request]:
-    """Tokenize workload records (see :mod:`mlx_lm_suffix.workloads`)."""
+    """Tokenize workload records (see :mod:`mlx_lm_suffix.tools.workloads`)."""
     out = []
     for r in records:
         body = {"messages": r["messages"]} if "messages" in r else {"prompt": r["prompt"]}
@@ -505,27 +509,6 @@ def _decode_rate(samples: Sequence[Sample]) -> Optional[float]:
 
 
 # ----------------------------------------------------------------- server
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
-    """Send ``sig`` to ``proc`` (if it still runs), wait up to ``timeout``
-    seconds, then kill it; returns its exit status."""
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
-
-
-@contextmanager
 def server_process(
     model_path: str,
     *,
@@ -534,44 +517,20 @@ def server_process(
     eos_id: int = 2,
     blas: str = "auto",
     extra_args: Sequence[str] = (),
-    startup_timeout: float = 180.0,
     log: Optional[Path] = None,
-) -> Iterator[str]:
-    """Start ``mlx_lm.server`` (``--draft suffix`` when ``suffix``) on a free
-    loopback port; yields its base URL and stops it on exit."""
-    port = free_port()
+) -> ServerProcess:
+    """A ready ``mlx_lm.server`` (``--draft suffix`` when ``suffix``) run by
+    :func:`serve_main` with the BLAS policy ``blas`` and, with ``script``,
+    scripted targets; its output is appended to ``log``. Stop it, or use it
+    as a context manager."""
     env = blas_env(blas)
     if script is not None:
         env[SCRIPT_ENV] = str(script)
         env["MLX_LM_SUFFIX_SCRIPT_EOS"] = str(eos_id)
-    args = ["--model", str(model_path), "--host", "127.0.0.1", "--port", str(port)]
-    if suffix:
-        args += ["--draft", "suffix"]
-    args += list(extra_args)
-    cmd = [sys.executable, "-c", "import sys; from mlx_lm_suffix.bench import serve_main; serve_main(sys.argv[1:])", *args]
-    logf = open(log, "ab") if log else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"server exited with {proc.returncode}: {' '.join(cmd[3:])}"
-                    + (f" (log: {log})" if log else "")
-                )
-            try:
-                with urllib.request.urlopen(url + "/v1/models", timeout=2):
-                    break
-            except OSError:
-                if time.time() > deadline:
-                    raise RuntimeError(f"server did not start within {startup_timeout:.0f}s") from None
-                time.sleep(0.3)
-        yield url
-    finally:
-        stop_process(proc, timeout=15)
-        if log:
-            logf.close()
+    args = ["--draft", "suffix"] if suffix else []
+    return ServerProcess(
+        model_path, *args, *extra_args, command=SERVE_MAIN, env=env, log=log, append_log=True
+    )
 
 
 def http_generate(url: str, req: Request, max_tokens: int, timeout: float = 600.0) -> Tuple[Sample, str]:
@@ -669,8 +628,8 @@ def server_stats(url: str) -> Optional[Dict[str, Any]]:
 
 # ------------------------------------------------------------------ driver
 def is_local_random_model(path: str) -> bool:
-    """True for a model folder built by :mod:`mlx_lm_suffix.tiny_model`."""
-    from .tiny_model import cache_root
+    """True for a model folder built by :mod:`mlx_lm_suffix.tools.models`."""
+    from .models import cache_root
 
     try:
         p = Path(path).resolve()
@@ -841,7 +800,7 @@ def _server_rep(
             log = log_dir / f"server-{name}.log" if log_dir else None
             urls[name] = stack.enter_context(
                 server_process(model_path, suffix=suffix, script=script, eos_id=eos_id, blas=blas, log=log, extra_args=args)
-            )
+            ).url
             warm_up(urls[name])
         cold = run_server_arms(urls, requests, max_tokens, concurrency, scripted, tick)
         # Second pass: the stock server's prompt cache is now as warm as the

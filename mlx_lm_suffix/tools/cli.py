@@ -1,8 +1,8 @@
 """The ``mlx-lm-suffix`` command line (also ``python -m mlx_lm_suffix``).
 
 Each subcommand is a thin ``click`` wrapper around a module that holds its
-logic (``simulate`` -> :mod:`mlx_lm_suffix.simulate`, ``parity`` ->
-:mod:`mlx_lm_suffix.parity`).
+logic (``simulate`` -> :mod:`mlx_lm_suffix.tools.simulate`, ``parity`` ->
+:mod:`mlx_lm_suffix.tools.parity`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Callable, List, Optional, Union
 
 import click
 
-from .drafter import (
+from ..drafter import (
     DEFAULT_MAX_CACHED_REQUESTS,
     DEFAULT_MAX_SPEC_FACTOR,
     DEFAULT_MAX_SPEC_OFFSET,
@@ -40,6 +40,11 @@ def _write_json(path: Union[str, os.PathLike], data: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _json_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A ``--json FILE`` option, passed as ``json_out`` (None when not given)."""
+    return click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help=help)
 
 
 @click.group(name="mlx-lm-suffix")
@@ -86,13 +91,7 @@ def main() -> None:
     "key 1. Default: assume cost(k draft tokens) = 1 + 0.04 k decode steps.",
 )
 @click.option("--warm", is_flag=True, help="Fill the global cache with every response first.")
-@click.option(
-    "--json",
-    "json_out",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Write the results (and the recommendation) to this JSON file.",
-)
+@_json_option("Write the results (and the recommendation) to this JSON file.")
 def simulate_command(
     log: str,
     model: Optional[str],
@@ -178,13 +177,7 @@ def simulate_command(
     help="Cast the model weights to this dtype.",
 )
 @click.option("--strict", is_flag=True, help="Exit non-zero on near ties too.")
-@click.option(
-    "--json",
-    "json_out",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Write the per-prompt results to this JSON file.",
-)
+@_json_option("Write the per-prompt results to this JSON file.")
 @click.pass_context
 def parity_command(
     ctx: click.Context,
@@ -314,7 +307,7 @@ def bench_command(
     from . import bench as b
 
     b.maybe_reexec_with_openblas(blas)
-    from .tiny_model import ensure_model
+    from .models import ensure_model
     from .workloads import write_workloads
 
     model_path = model or str(ensure_model("qwen3", size))

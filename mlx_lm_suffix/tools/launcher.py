@@ -1,0 +1,168 @@
+"""The one launcher of ``mlx_lm.server`` subprocesses, for the bench, soak
+and demo tools, the tests and ``examples/agent_client.py``.
+
+    with ServerProcess(model, "--draft", "suffix", log="server.log") as server:
+        urllib.request.urlopen(server.url + "/v1/models")
+
+The server listens on a free port of 127.0.0.1 and inherits this process's
+environment. It is ready once ``/health`` answers 200 and, for a ``--draft
+suffix`` server, once its suffix stats list a loaded model.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from ..serving import STATS_PATH
+
+HOST = "127.0.0.1"
+#: The stock server's module (patched by the startup hook as usual).
+MLX_LM_SERVER = (sys.executable, "-m", "mlx_lm.server")
+#: Seconds a server may take to become ready (loading the model included).
+READY_TIMEOUT = 300.0
+# Characters of the log quoted in a startup error.
+_LOG_TAIL = 4000
+
+
+def _free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the server binds it moments later)."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _default_sigint() -> None:
+    # Ctrl-C must reach the server even where this process was started with
+    # SIGINT ignored (a background job of a non-interactive shell).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class ServerError(RuntimeError):
+    """The server exited or was not ready in time; the message ends with the
+    tail of its log."""
+
+
+class ServerProcess:
+    """``command --model MODEL --host 127.0.0.1 --port PORT *args`` in a
+    subprocess, on a free port; ``url`` is its base URL, ``proc`` the process.
+
+    ``env`` adds to (or overrides) this process's environment. The server's
+    output goes to the file ``log`` (truncated, or appended to with
+    ``append_log``), else to an anonymous temporary file; :meth:`log` reads
+    it. With ``wait`` the constructor returns once the server is ready
+    (:meth:`wait_ready`, at most ``timeout`` seconds); if it is not, the
+    server is stopped and :class:`ServerError` raised. As a context manager
+    it stops the server on exit (:meth:`stop`).
+    """
+
+    def __init__(
+        self,
+        model: Union[str, os.PathLike],
+        *args: Any,
+        command: Sequence[str] = MLX_LM_SERVER,
+        env: Optional[Mapping[str, str]] = None,
+        log: Optional[Union[str, os.PathLike]] = None,
+        append_log: bool = False,
+        wait: bool = True,
+        timeout: float = READY_TIMEOUT,
+    ):
+        args = [str(a) for a in args]
+        self.port = _free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self._suffix = "--draft" in args
+        self.log_path = Path(log) if log is not None else None
+        if self.log_path is None:
+            self._log = tempfile.TemporaryFile()
+        else:
+            self._log = open(self.log_path, "ab" if append_log else "wb")
+        self._log_start = self._log.tell()  # this server's part of the file
+        self.command = [*command, "--model", str(model), "--host", HOST, "--port", str(self.port), *args]
+        try:
+            self.proc = subprocess.Popen(
+                self.command,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                preexec_fn=_default_sigint,
+            )
+        except BaseException:
+            self._log.close()
+            raise
+        if wait:
+            try:
+                self.wait_ready(timeout)
+            except BaseException:
+                self.stop()
+                raise
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def log(self) -> str:
+        """What the server has written so far (to a file ``log``: also after
+        :meth:`stop`; to the temporary file: until then)."""
+        if self.log_path is not None:
+            data = self.log_path.read_bytes()[self._log_start :]
+        elif self._log.closed:
+            return ""
+        else:  # pread: the server shares the file's offset
+            fd = self._log.fileno()
+            data = os.pread(fd, os.fstat(fd).st_size - self._log_start, self._log_start)
+        return data.decode("utf-8", "replace")
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                if r.status != 200:
+                    return False
+            if not self._suffix:
+                return True
+            with urllib.request.urlopen(self.url + STATS_PATH, timeout=2) as r:
+                return bool(json.loads(r.read())["models"])  # the model has loaded
+        except (OSError, http.client.HTTPException, ValueError, KeyError):
+            return False
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        """Return once the server answers (see the module doc); raise
+        :class:`ServerError` if it exits first or is not ready within
+        ``timeout`` seconds (the server is left running then)."""
+        deadline = time.monotonic() + timeout
+        while not self._ready():
+            if self.proc.poll() is not None:
+                self._fail(f"server exited with status {self.proc.returncode}")
+            if time.monotonic() > deadline:
+                self._fail(f"server not ready within {timeout:g} s")
+            time.sleep(0.05)  # polling interval, not synchronisation
+
+    def _fail(self, what: str) -> None:
+        where = f" (log: {self.log_path})" if self.log_path else ""
+        tail = self.log()[-_LOG_TAIL:]
+        raise ServerError(f"{what}: {' '.join(self.command)}{where}\n--- log tail ---\n{tail}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        """Send ``sig`` if the server still runs, wait up to ``timeout``
+        seconds, then kill it and wait as long again; close the log. Returns
+        the exit status (negative: the signal that ended it). Idempotent."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
+        self._log.close()
+        return self.proc.returncode
