@@ -267,9 +267,10 @@ class SuffixGenerationBatch(GenerationBatch):
         ``ahead``: committed tokens not emitted nor fed to the cache yet (the
         pending token, when drafting after it before its step)."""
         context_room = None
-        if self.max_context is not None:
+        longest = rollback.batch_length_bound(self.prompt_cache)
+        if self.max_context is not None and longest is not None:
             # Rows shorter than the longest (left padded) get less room.
-            context_room = self.max_context - rollback.batch_length_bound(self.prompt_cache) - ahead
+            context_room = self.max_context - longest - ahead
         drafts: List[Draft] = []
         for i, (req, k) in enumerate(zip(self._req, self._k)):
             room = self.max_tokens[i] - self._num_tokens[i] - ahead
@@ -283,7 +284,8 @@ class SuffixGenerationBatch(GenerationBatch):
         """The drafts cut to the lengths the policy verifies after the
         pipelined plain step (``check``: their first tokens are not checked
         yet)."""
-        lengths = self.drafter.policy.batch_lengths(drafts, pipelined=True, check=check)
+        replay = rollback.replays_rows(self.prompt_cache)
+        lengths = self.drafter.policy.batch_lengths(drafts, True, check, replay)
         return [d.truncate(n) for d, n in zip(drafts, lengths)]
 
     def next(self) -> List[GenerationBatch.Response]:
@@ -304,7 +306,7 @@ class SuffixGenerationBatch(GenerationBatch):
             self._commit(pending)
             self._pending_committed = True
             early = self._propose(ahead=1)
-            n = policy.batch_lengths(early, pipelined=False)[0]
+            n = policy.batch_lengths(early, False, replay=rollback.replays_rows(self.prompt_cache))[0]
             if n > 0:
                 self._pending_committed = False
                 return self._verify(pending, [early[0].truncate(n)], confirmed=False)
@@ -386,33 +388,26 @@ class SuffixGenerationBatch(GenerationBatch):
         fed; else the whole drafts follow the pending tokens."""
         first = 1 if confirmed else 0
         drafts = [c.tokens[first:] for c in checked]
-        B = len(self.uids)
-        K = max(len(d) for d in drafts)
-        inputs = mx.array(
-            [[p] + d + [0] * (K - len(d)) for p, d in zip(pending, drafts)],
-            dtype=mx.uint32,
-        )
-        tic = time.perf_counter()
-        logits = self.model(inputs, cache=self.prompt_cache)
-        if any(self.logits_processors):
-            logits = self._process_logits(logits, pending, drafts)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        sampled = self._sample(logprobs)
-        mx.eval(sampled, logprobs)
-        self.drafter.policy.observe(inputs.size, time.perf_counter() - tic, rows=B)
+        B, K = len(self.uids), max(len(d) for d in checked) - first
+        saved = rollback.checkpoint_rows(self.prompt_cache)
+        sampled, logprobs = self._forward(pending, drafts, K)
         targets = sampled.tolist()
-
         accepted = [accepted_length(d, t[: len(d) + 1]) for d, t in zip(drafts, targets)]
-        rejected = [K - a for a in accepted]
-        rollback.trim_rows(self.prompt_cache, rejected)
+        emitted, finish = self._emit(pending, drafts, accepted)
+        # Each row's cache back to the tokens it emitted.
+        rejected = [K + 1 - len(e) for e in emitted]
+        replayed = rollback.undo_rows(self.prompt_cache, saved, K + 1, rejected)
+        if replayed:
+            rollback.replay_rows(self.model, self.prompt_cache, emitted)
         stats = self.draft_stats
         stats.verify_steps += 1
         stats.unpipelined_steps += 1 - first
+        stats.replays += replayed
         stats.verify_rows += B
         stats.max_batch_size = max(stats.max_batch_size, B)
         stats.max_verify_batch_size = max(stats.max_verify_batch_size, B)
-        if len(set(rejected)) > 1:
-            stats.uneven_rollbacks += 1
+        stats.uneven_rollbacks += len(set(rejected)) > 1 and not replayed
+        stats.finish_trims += sum(len(e) < 1 + a for e, a in zip(emitted, accepted))
         self._maybe_compact()
 
         prev_logprobs = self._next_logprobs
@@ -424,53 +419,26 @@ class SuffixGenerationBatch(GenerationBatch):
         # that step queues, they would make it wait for that forward.
         mx.eval(self._next_tokens, self._next_logprobs)
 
-        responses = []
-        keep = []
-        used = [0] * B
+        responses, keep = [], []
         for i in range(B):
-            emitted = [pending[i]] + drafts[i][: accepted[i]]
-            finish_reason = None
-            n = 0
-            for t in emitted:
-                n += 1
-                self._num_tokens[i] += 1
-                if self._num_tokens[i] >= self.max_tokens[i]:
-                    finish_reason = "length"
-                if self._matchers[i].advance(t):
-                    finish_reason = "stop"
-                if finish_reason is not None:
-                    break
-            used[i] = n - 1
-            req = self._req[i]
-            if req is not None and n > 1:
-                self.drafter.commit(req, emitted[1:n])
-            self.tokens[i].extend(emitted)
-            for j in range(n):
-                last = j == n - 1
-                cache = all_tokens = None
-                if last and finish_reason is not None:
-                    # Leave out accepted tokens after the finishing one.
-                    overflow = len(emitted) - n
-                    cache = self.extract_cache(i)
-                    if overflow:
-                        rollback.trim(cache, overflow)
-                        stats.finish_trims += 1
-                    all_tokens = self.tokens[i][: len(self.tokens[i]) - overflow]
+            for j, t in enumerate(emitted[i]):
+                last = j == len(emitted[i]) - 1
+                done = last and finish[i] is not None
                 responses.append(
                     self.Response(
                         uid=self.uids[i],
-                        token=emitted[j],
+                        token=t,
                         logprobs=prev_logprobs[i] if j == 0 else logprobs[i, j - 1],
-                        finish_reason=finish_reason if last else None,
-                        prompt_cache=cache,
-                        all_tokens=all_tokens,
+                        finish_reason=finish[i] if last else None,
+                        prompt_cache=self.extract_cache(i) if done else None,
+                        all_tokens=self.tokens[i] if done else None,
                     )
                 )
-            if finish_reason is None:
+            if finish[i] is None:
                 keep.append(i)
                 if self.logits_processors and self.logits_processors[i]:
                     self._token_context[i] = TokenBuffer(self.tokens[i])
-
+        used = [len(e) - 1 for e in emitted]
         self._record(
             [len(c) for c in checked],
             [a + first if c else 0 for a, c in zip(accepted, checked)],
@@ -482,10 +450,56 @@ class SuffixGenerationBatch(GenerationBatch):
         self._settled = True
         return responses
 
+    def _forward(
+        self, pending: List[int], drafts: List[List[int]], K: int
+    ) -> Tuple[mx.array, mx.array]:
+        """One forward over every row's pending token plus its draft, padded
+        to ``1 + K``: each position's sampled token and logprobs."""
+        inputs = mx.array(
+            [[p] + d + [0] * (K - len(d)) for p, d in zip(pending, drafts)],
+            dtype=mx.uint32,
+        )
+        tic = time.perf_counter()
+        logits = self.model(inputs, cache=self.prompt_cache)
+        if any(self.logits_processors):
+            logits = self._process_logits(logits, pending, drafts)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        sampled = self._sample(logprobs)
+        mx.eval(sampled, logprobs)
+        self.drafter.policy.observe(inputs.size, time.perf_counter() - tic, rows=len(pending))
+        return sampled, logprobs
+
+    def _emit(
+        self, pending: List[int], drafts: List[List[int]], accepted: List[int]
+    ) -> Tuple[List[List[int]], List[Optional[str]]]:
+        """Each row's emitted tokens (its pending token and accepted draft
+        tokens, up to the one that finishes it, checked one at a time in
+        order by its ``max_tokens`` and stop sequences, as stock does) and
+        its finish reason; the tokens go to ``tokens`` and the drafter."""
+        emitted, finish = [], []
+        for i, (p, d, a) in enumerate(zip(pending, drafts, accepted)):
+            reason, out = None, []
+            for t in [p] + d[:a]:
+                out.append(t)
+                self._num_tokens[i] += 1
+                if self._num_tokens[i] >= self.max_tokens[i]:
+                    reason = "length"
+                if self._matchers[i].advance(t):
+                    reason = "stop"
+                if reason is not None:
+                    break
+            self.tokens[i].extend(out)
+            if self._req[i] is not None and len(out) > 1:
+                self.drafter.commit(self._req[i], out[1:])
+            emitted.append(out)
+            finish.append(reason)
+        return emitted, finish
+
     def _maybe_compact(self) -> None:
-        """Drop left padding shared by every row (uneven rollbacks add it)."""
-        c = self.prompt_cache[0]
-        if min(c.left_padding.tolist()) >= COMPACT_LEFT_PADDING:
+        """Drop left padding shared by every row (uneven rollbacks add it to
+        the ``BatchKVCache`` layers; their ``filter`` drops it)."""
+        padded = rollback.kv_rows(self.prompt_cache)
+        if padded and min(padded[0].left_padding.tolist()) >= COMPACT_LEFT_PADDING:
             keep = list(range(len(self.uids)))
             for c in self.prompt_cache:
                 c.filter(keep)
@@ -529,7 +543,7 @@ class SuffixBatchGenerator(BatchGenerator):
         batch.drafter = drafter
         batch.row_options = self._row_options
         batch.default_options = RowOptions(num_draft_tokens=num_draft_tokens)
-        batch.max_context = context_limit(model, self.max_kv_size)
+        batch.max_context = context_limit(model)
         batch.draft_stats = self.draft_stats
         self._generation_batch = batch
 

@@ -56,11 +56,10 @@ def warn_no_rollback(model: nn.Module, cache: List[Any]) -> None:
     )
 
 
-def context_limit(model: nn.Module, max_kv_size: Optional[int] = None) -> Optional[int]:
-    """The longest sequence a draft may extend to: ``max_kv_size`` when given,
-    else the model's ``max_position_embeddings`` when it has one."""
-    if max_kv_size is not None:
-        return max_kv_size
+def context_limit(model: nn.Module) -> Optional[int]:
+    """The longest sequence a draft may extend to: the model's
+    ``max_position_embeddings`` when it has one (``max_kv_size`` is a window,
+    which rolls back like the model's own sliding windows)."""
     args = getattr(model, "args", None)
     return getattr(args, "max_position_embeddings", None)
 
@@ -119,7 +118,7 @@ def suffix_generate_step(
     policy = drafter.policy
     if drafting:
         policy.ensure_cost(model)
-    ctx_limit = context_limit(model, max_kv_size)
+    ctx_limit = context_limit(model)
     sampler = sampler or greedy_sampler
     progress = prompt_progress_callback or (lambda *_: None)
     prompt = prompt.astype(mx.uint32)

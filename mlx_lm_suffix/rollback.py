@@ -17,18 +17,23 @@ Single sequence, three ways:
   (:func:`checkpoint`; MLX arrays are immutable, so saving costs no copy).
   The accepted tokens are then no longer in the cache and are fed again.
 - :data:`EITHER` (``RotatingKVCache``, a sliding window): trim while it has
-  not wrapped, else restore.
+  not wrapped, else restore. A window that keeps its first tokens
+  (``keep``, as ``max_kv_size`` makes it) is fed only until it would wrap
+  (:func:`room`): once wrapped, a multi-token update shows the later
+  positions fewer of them than one-token steps do.
 
 When any layer restores, every layer goes back to the checkpoint (the
 trimming ones drop all positions fed since), so that all of them hold the
 same tokens; :func:`undo` then says how many of the fed tokens to feed
 again. A ``CacheList`` does this for each of its caches.
 
-Batch: ``BatchKVCache`` trims every row by the smallest count, then rolls
-each row's remaining rejected positions into its left padding, which the
-attention mask ignores (the move ``BatchKVCache.finalize`` makes for
-right-padded prompts). The roll copies the cache, so it is skipped when
-every row rejects the same count.
+Batch (:data:`BATCH`): ``BatchKVCache`` trims, rows rejecting different
+counts; a batch's ``ArraysCache`` restores, which sends every row back, to
+be fed its kept tokens again in one right-padded forward (:func:`undo_rows`,
+:func:`replay_rows`). ``BatchRotatingKVCache`` (sliding windows, or
+``max_kv_size``, in a batch) is not in the table yet: a multi-token update
+of a wrapped window with left-padded rows does not give the same attention
+as mlx-lm's one-token steps, so such batches generate without drafting.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+import mlx.core as mx
 from mlx_lm.models import cache as _cache
 
 TRIM, RESTORE, EITHER = "trim", "restore", "either"
@@ -113,10 +119,15 @@ def trim(cache: List[Any], n: int) -> None:
 def room(cache: List[Any], limit: Optional[int] = None) -> float:
     """How many more positions a single-sequence cache can be fed and still
     be rolled back, within the context ``limit``."""
-    offsets = [c.offset for c in _layers(cache) if isinstance(getattr(c, "offset", None), int)]
-    if limit is None or not offsets:
-        return math.inf
-    return limit - max(offsets)
+    layers = _layers(cache)
+    n = min(
+        (c.max_size - c.offset - 1 for c in layers if type(c) is _cache.RotatingKVCache and c.keep),
+        default=math.inf,
+    )
+    offsets = [c.offset for c in layers if isinstance(getattr(c, "offset", None), int)]
+    if limit is not None and offsets:
+        n = min(n, limit - max(offsets))
+    return n
 
 
 def replays(cache: List[Any], n: int) -> bool:
@@ -146,36 +157,92 @@ def plan(rejected: Sequence[int]) -> Tuple[int, List[int]]:
     return common, [r - common for r in rejected]
 
 
-def _batch_kv_undo(c: Any, rejected: Sequence[int]) -> None:
-    common, extra = plan(rejected)
-    _trim(c, common)
-    if any(extra):
-        c.prepare(right_padding=list(extra))
-        c.finalize()
-
-
-#: Batch cache kinds and how each drops row ``i``'s last ``rejected[i]``.
-BATCH = {_cache.BatchKVCache: _batch_kv_undo}
+#: Batch cache kinds and how each undoes positions (per row for ``TRIM``).
+BATCH: Dict[type, str] = {
+    _cache.BatchKVCache: TRIM,
+    _cache.ArraysCache: RESTORE,
+}
 
 
 def supports_batch(cache: List[Any]) -> bool:
     """Whether every layer of a batch cache can roll rows back."""
-    return bool(cache) and all(type(c) in BATCH for c in cache)
+    layers = _layers(cache)
+    return bool(layers) and all(type(c) in BATCH for c in layers)
 
 
-def trim_rows(cache: List[Any], rejected: Sequence[int]) -> None:
-    """Drop the last ``rejected[i]`` positions of row ``i`` of a batch cache."""
-    if any(rejected):
+def checkpoint_rows(cache: List[Any]) -> Checkpoint:
+    """:func:`checkpoint` for a batch cache."""
+    return Checkpoint(
+        {i: _saved(c.state) for i, c in enumerate(_layers(cache)) if BATCH[type(c)] != TRIM}
+    )
+
+
+def undo_rows(cache: List[Any], saved: Checkpoint, fed: int, rejected: Sequence[int]) -> bool:
+    """Drop the last ``rejected[i]`` of the ``fed`` positions fed to row
+    ``i`` since ``saved``. Returns whether every row went back to the
+    checkpoint instead, so that each row's kept tokens must be fed again
+    (:func:`replay_rows`).
+
+    Where every layer trims, all rows are trimmed by the smallest count and
+    each row's remaining rejected positions are rolled into its left
+    padding, which the attention mask ignores (the move
+    ``BatchKVCache.finalize`` makes for right-padded prompts; it copies the
+    cache, so it is skipped when every row rejects the same count)."""
+    if not any(rejected):
+        return False
+    layers = _layers(cache)
+    common, extra = plan(rejected)
+    if all(BATCH[type(c)] == TRIM for c in layers):
+        for c in layers:
+            _trim(c, common)
+            if any(extra):
+                c.prepare(right_padding=list(extra))
+                c.finalize()
+        return False
+    for i, c in enumerate(layers):
+        if i in saved.states:
+            c.state = saved.states[i]
+        else:
+            _trim(c, fed)
+    return True
+
+
+def replay_rows(model: Any, cache: List[Any], tokens: Sequence[Sequence[int]]) -> None:
+    """Feed each row its ``tokens`` (right-padded, as mlx-lm's prompt
+    processing feeds uneven chunks: ``prepare``, forward, ``finalize``)."""
+    lengths = [len(t) for t in tokens]
+    width = max(lengths)
+    padding = [width - n for n in lengths]
+    inputs = mx.array([list(t) + [0] * p for t, p in zip(tokens, padding)], dtype=mx.uint32)
+    if any(padding):
         for c in cache:
-            BATCH[type(c)](c, rejected)
+            c.prepare(lengths=lengths, right_padding=padding)
+    model(inputs, cache=cache)
+    if any(padding):
+        for c in cache:
+            c.finalize()
 
 
-def batch_length_bound(cache: List[Any]) -> int:
-    """The length of the longest row of a batch cache, read without waiting
-    for the forwards queued on it: mlx-lm 0.32.2's ``BatchKVCache`` keeps
-    each row's length in ``offset``, an array that the queued forward's own
+def replays_rows(cache: List[Any]) -> bool:
+    """Whether a rejection in a batch may cost feeding the kept tokens
+    again."""
+    return any(BATCH.get(type(c)) != TRIM for c in _layers(cache))
+
+
+def kv_rows(cache: List[Any]) -> List[Any]:
+    """The ``BatchKVCache`` layers of a batch cache (rolled rows leave left
+    padding there)."""
+    return [c for c in _layers(cache) if type(c) is _cache.BatchKVCache]
+
+
+def batch_length_bound(cache: List[Any]) -> Optional[int]:
+    """A bound on the length of the longest row of a batch cache (``None``
+    for a cache with no positions, e.g. recurrent state alone), read
+    without waiting for the forwards queued on it: mlx-lm 0.32.2 keeps each
+    row's length in ``offset``, an array that the queued forward's own
     update produces (reading it waits for that), and the filled length of
-    its buffer, which bounds every row's, in the int ``_idx``."""
-    c = cache[0]
-    idx = getattr(c, "_idx", None)
-    return idx if isinstance(idx, int) else max(c.offset.tolist())
+    the buffer in an int, ``BatchKVCache._idx``."""
+    for c in _layers(cache):
+        if type(c) is _cache.BatchKVCache:
+            return c._idx
+    return None

@@ -106,6 +106,8 @@ class BatchDraftStats(Counters):
 
     verify_steps: int = 0
     unpipelined_steps: int = 0
+    #: Verifications after which every row was fed its kept tokens again.
+    replays: int = 0
     plain_steps: int = 0
     check_steps: int = 0
     verify_rows: int = 0

@@ -6,6 +6,7 @@ import inspect
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
@@ -352,16 +353,16 @@ def test_rows_join_and_leave_mid_generation(model_and_tokenizer, prompts):
     assert drafter.active_requests == 0
 
 
-def test_untrimmable_batch_cache_generates_without_drafting(model_and_tokenizer, prompts):
+def test_rotating_batch_cache_generates_without_drafting(model_and_tokenizer, prompts):
     """A rotating KV cache (max_kv_size) batches as BatchRotatingKVCache,
-    which cannot roll rows back: no drafting, stock outputs."""
+    which the batch does not roll back yet: no drafting, stock outputs."""
     model, tokenizer = model_and_tokenizer
-    gen = BatchGenerator(model, stop_tokens=_eos(tokenizer), max_kv_size=512)
+    gen = BatchGenerator(model, stop_tokens=_eos(tokenizer), max_kv_size=40)
     ref, _ = _run(gen, prompts, [MAX_TOKENS] * len(prompts))
     gen.close()
     drafter = SuffixDrafter(policy="fixed")
     for _ in range(2):
-        gen = _suffix_gen(model, tokenizer, drafter, max_kv_size=512)
+        gen = _suffix_gen(model, tokenizer, drafter, max_kv_size=40)
         tokens, _ = _run(gen, prompts, [MAX_TOKENS] * len(prompts))
         gen.close()
         assert tokens == ref
@@ -451,15 +452,16 @@ def test_adaptive_policy_picks_one_width_per_batch(model_and_tokenizer, prompts)
     the batch's drafts to one width; outputs stay exact."""
     model, tokenizer = model_and_tokenizer
     ref, _ = _stock_run(model, tokenizer, prompts, [MAX_TOKENS] * len(prompts))
-    drafter = SuffixDrafter(policy="adaptive")
+    drafter, stats = SuffixDrafter(policy="adaptive"), BatchDraftStats()
     for _ in range(2):
-        gen = _suffix_gen(model, tokenizer, drafter)
+        gen = _suffix_gen(model, tokenizer, drafter, stats=stats)
         tokens, _ = _run(gen, prompts, [MAX_TOKENS] * len(prompts))
         gen.close()
         assert tokens == ref
     assert drafter.policy.cost is not None  # measured at the first drafting step
-    # Batched verification steps taught the cost of their shapes.
-    assert gen.draft_stats.max_verify_batch_size > 1
+    # Batched verification steps (the warm pass repeats every answer) taught
+    # the cost of their shapes.
+    assert stats.max_verify_batch_size > 1
     assert any(rows > 1 for rows, _ in drafter.policy.cost.batch_factors)
     assert all(f > 0 for f, _ in drafter.policy.cost.batch_factors.values())
 
@@ -509,3 +511,35 @@ def test_one_row_verifies_a_likely_draft_with_its_pending_token(model_and_tokeni
                 assert tokens == ref[0], (max_tokens, round_)
         assert drafter.stats.accepted > 0
         assert stats.unpipelined_steps > 0 and stats.max_verify_batch_size == 1
+
+
+def test_recurrent_batch_drafts_and_equals_stock():
+    """Mamba's batched state (ArraysCache) cannot trim rows: after a
+    rejection every row goes back to the state before the verification and
+    is fed its kept tokens again in one right-padded forward. Outputs equal
+    stock batched generation's, over a cold and a warm pass."""
+    from mlx_lm.models import mamba
+
+    mx.random.seed(0)
+    args = mamba.ModelArgs(model_type="mamba", vocab_size=64, hidden_size=32,
+                           intermediate_size=64, state_size=8, num_hidden_layers=2,
+                           conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4)
+    model = mamba.Model(args)
+    mx.eval(model.parameters())
+    rng = np.random.default_rng(0)
+    prompts = []
+    for i in range(6):
+        base = rng.integers(0, 64, size=5 + i).tolist()
+        prompts.append(base * (2 + i % 3) + base[:2])
+    gen = BatchGenerator(model, stop_tokens=set())
+    ref, _ = _run(gen, prompts, [30] * len(prompts))
+    gen.close()
+    drafter, stats = SuffixDrafter(policy="fixed", num_draft_tokens=8), BatchDraftStats()
+    for _ in range(2):
+        gen = SuffixBatchGenerator(model, drafter, stop_tokens=set(), stats=stats)
+        tokens, finished = _run(gen, prompts, [30] * len(prompts))
+        gen.close()
+        assert tokens == ref
+        assert all(f.all_tokens == p + t for p, t, f in zip(prompts, tokens, finished))
+    assert stats.verify_steps > 0 and stats.replays > 0
+    assert 0 < drafter.stats.accepted < drafter.stats.drafted

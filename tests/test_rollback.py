@@ -53,8 +53,9 @@ def test_rollback_batch_matches_per_row_content(lengths, steps):
             counter += K
             new.append(toks)
         x = mx.array(new).reshape(B, 1, K, 1)
+        saved = rollback.checkpoint_rows([cache])
         cache.update_and_fetch(x, x)
-        rollback.trim_rows([cache], rejected)
+        assert not rollback.undo_rows([cache], saved, K, rejected)  # trimmed
         for b in range(B):
             rows[b] += new[b][: K - rejected[b]]
         for b in range(B):
@@ -84,6 +85,9 @@ def test_room_is_the_context_limit():
     c.update_and_fetch(_kv([1, 2, 3]), _kv([1, 2, 3]))
     assert rollback.room([c]) == float("inf")  # a wrapped window restores
     assert rollback.room([KVCache(), c], limit=5) == 2
+    sinks = RotatingKVCache(max_size=8, keep=4)  # max_kv_size's kind
+    sinks.update_and_fetch(_kv([1, 2, 3]), _kv([1, 2, 3]))
+    assert rollback.room([sinks]) == 4  # fed only until it would wrap
 
 
 def test_undo_restores_what_cannot_trim():

@@ -15,6 +15,7 @@ best in expectation, from
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any, List, Optional, Sequence, Tuple
 
 from .calibration import Calibration, given_first
@@ -81,19 +82,22 @@ class Policy:
             n = best_length(self.probs(draft), self.cost, pipelined, replay)
         return 0 if pipelined and n < 2 else n
 
-    def batch_lengths(self, drafts: Sequence[Any], pipelined: bool, check: bool = True) -> List[int]:
+    def batch_lengths(
+        self, drafts: Sequence[Any], pipelined: bool, check: bool = True, replay: bool = False
+    ) -> List[int]:
         """How many tokens of each row's draft to verify; ``check``: the
         first tokens are not checked yet (pipelined only; a second call for
-        the confirmed drafts passes ``False``)."""
+        the confirmed drafts passes ``False``); ``replay``: a rejection
+        costs feeding every row's kept tokens again."""
         lengths = [len(d) for d in drafts]
         if not pipelined and len(drafts) != 1:
             return [0] * len(drafts)
         if self.cost_aware and any(lengths):
             probs = [self.probs(d) for d in drafts]
             if not pipelined:
-                return [unpipelined_length(probs[0], self.cost)]
-            lengths = best_batch_lengths(probs, self.cost, pipelined=True)
-            if check and not check_pays(probs, lengths, self.cost):
+                return [unpipelined_length(probs[0], self.cost, replay)]
+            lengths = best_batch_lengths(probs, self.cost, True, replay)
+            if check and not check_pays(probs, lengths, self.cost, replay):
                 return [0] * len(drafts)
         return [n if n >= 2 or not pipelined else 0 for n in lengths]
 
@@ -162,7 +166,7 @@ def best_length(
 
 
 def best_batch_lengths(
-    probs: List[Sequence[float]], cost: VerifyCost, pipelined: bool = False
+    probs: List[Sequence[float]], cost: VerifyCost, pipelined: bool = False, replay: bool = False
 ) -> List[int]:
     """Draft lengths for the rows of a batch whose forward feeds every row's
     last committed token plus its draft. The longest row sets the forward's
@@ -187,8 +191,13 @@ def best_batch_lengths(
     ``BATCH_MARGIN``: the rows whose drafts fail, or that have none, wait
     for the wider forward, and the request that finishes last is the one
     that gained least (rows that gain finish early), so a verification that
-    only breaks even on the batch's token count slows the batch down."""
-    width, _ = _best_width(probs, cost, pipelined)
+    only breaks even on the batch's token count slows the batch down.
+
+    ``replay``: unless every row's draft is accepted in full, every row is
+    fed its kept tokens again in one more forward (see
+    :func:`~mlx_lm_suffix.rollback.undo_rows`), counted at the rows'
+    expected tokens."""
+    width, _ = _best_width(probs, cost, pipelined, replay)
     if pipelined:
         tails = [given_first(p) for p in probs]
         return [min(len(t), width) + 1 if width and t else 0 for t in tails]
@@ -196,7 +205,7 @@ def best_batch_lengths(
 
 
 def _best_width(
-    probs: List[Sequence[float]], cost: VerifyCost, pipelined: bool
+    probs: List[Sequence[float]], cost: VerifyCost, pipelined: bool, replay: bool = False
 ) -> Tuple[int, float]:
     """The batch width of :func:`best_batch_lengths` (of the tails, when
     ``pipelined``) and the time it saves against plain steps (0 if none
@@ -217,6 +226,10 @@ def _best_width(
     for k in range(1, k_max + 1):
         gain = sunk_tokens + B + sum(c[min(k, len(c)) - 1] for c in sums)
         step = sunk_cost + cost(B * (k + 1), rows=B)
+        if replay:
+            # Rows without a draft accept all of it; the others' chance.
+            full = math.prod(p[min(k, len(p)) - 1] for p in probs if p)
+            step += (1.0 - full) * cost(B * max(1, round((gain - sunk_tokens) / B)), rows=B)
         # The time plain steps (by the margin) would take, less the step's:
         # positive exactly when the step commits tokens faster than them.
         saved = gain / ref - step
@@ -226,7 +239,7 @@ def _best_width(
 
 
 def check_pays(
-    probs: List[Sequence[float]], lengths: Sequence[int], cost: VerifyCost
+    probs: List[Sequence[float]], lengths: Sequence[int], cost: VerifyCost, replay: bool = False
 ) -> bool:
     """Whether the rows' drafts, cut to ``lengths`` by
     :func:`best_batch_lengths` (pipelined), are worth checking: checking
@@ -240,7 +253,7 @@ def check_pays(
         return False
     if cost.check <= 0:
         return True
-    width, saved = _best_width(probs, cost, pipelined=True)
+    width, saved = _best_width(probs, cost, True, replay)
     gains = [
         (p[0], 1 + expected_accepted(given_first(p), width))
         for p, n in zip(probs, lengths)
@@ -250,7 +263,7 @@ def check_pays(
     return saved * confirmed > cost.check
 
 
-def unpipelined_length(probs: Sequence[float], cost: VerifyCost) -> int:
+def unpipelined_length(probs: Sequence[float], cost: VerifyCost, replay: bool = False) -> int:
     """For one sequence whose next token is known and whose cache is idle
     (its last step verified a draft, or synced to check one): the draft
     length to verify in one forward together with that token, or ``0`` to
@@ -262,6 +275,6 @@ def unpipelined_length(probs: Sequence[float], cost: VerifyCost) -> int:
     so it is for drafts whose first token is likely."""
     if not probs:
         return 0
-    now, saved_now = _best_width([probs], cost, pipelined=False)
-    _, saved_after = _best_width([probs], cost, pipelined=True)
+    now, saved_now = _best_width([probs], cost, False, replay)
+    _, saved_after = _best_width([probs], cost, True, replay)
     return now if now and saved_now > probs[0] * saved_after else 0
