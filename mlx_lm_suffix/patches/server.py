@@ -61,7 +61,7 @@ def patch(module: ModuleType) -> Replacements:
     stock_batch_generator = module.BatchGenerator
     stock_tokenize = rg_cls._tokenize
     stock_next_request = rg_cls._next_request
-    stock_run_generate = rg_cls._run_generate
+    stock_generate = rg_cls._generate
     stock_stream_generate = module.stream_generate
     stock_validate = handler_cls.validate_model_parameters
     stock_handle_completion = handler_cls.handle_completion
@@ -108,17 +108,18 @@ def patch(module: ModuleType) -> Replacements:
         return result
 
     # ResponseGenerator._next_request(timeout) -> (rqueue, request, args) or
-    # None, and _run_generate() (the generation thread's body, which stock
-    # ends at the first exception): fail the requests in flight and restart.
+    # None, and _generate() (the generation loop, which stock _run_generate
+    # runs once, ending the thread at its first exception): fail the requests
+    # in flight and run the loop again.
     @functools.wraps(stock_next_request)
     def _next_request(self, timeout=None):
         item = stock_next_request(self, timeout)
         serving.note_request_taken(self, item)
         return item
 
-    @functools.wraps(stock_run_generate)
-    def _run_generate(self):
-        serving.run_generation(self, stock_run_generate)
+    @functools.wraps(stock_generate)
+    def _generate(self):
+        serving.generate_restarting(self, stock_generate)
 
     # ResponseGenerator._serve_single calls the module-global
     # `stream_generate(model=..., tokenizer=..., prompt=rest, ...,
@@ -203,7 +204,7 @@ def patch(module: ModuleType) -> Replacements:
         (provider_cls, "_load", _load),
         (rg_cls, "_tokenize", _tokenize),
         (rg_cls, "_next_request", _next_request),
-        (rg_cls, "_run_generate", _run_generate),
+        (rg_cls, "_generate", _generate),
         (handler_cls, "validate_model_parameters", validate_model_parameters),
         (handler_cls, "handle_completion", handle_completion),
         (handler_cls, "generate_response", with_usage(handler_cls.generate_response)),

@@ -12,7 +12,7 @@ Plain logic called from the thin wrappers of :mod:`mlx_lm_suffix.patches.server`
   carry it from the tokenizer call to the batch row (same thread);
   :func:`single_stream_generate` routes the server's single-request path to
   suffix decoding.
-- Failures: :func:`run_generation` restarts the generation loop after
+- Failures: :func:`generate_restarting` restarts the generation loop after
   failing the requests in flight; :func:`answer_error` answers a POST whose
   handling raised.
 
@@ -526,36 +526,35 @@ def note_request_taken(generator: Any, item: Any) -> None:
         _in_flight(generator).add(item[0])
 
 
-def run_generation(generator: Any, stock_run: Callable[[Any], None]) -> None:
-    """The generation thread of a suffix server.
+def generate_restarting(generator: Any, stock_generate: Callable[[Any], None]) -> None:
+    """The generation loop (``ResponseGenerator._generate``) of a suffix server.
 
-    Stock ``_run_generate`` lets any exception of the generation loop (e.g.
-    in a batched forward) end the thread: every later request then fails
-    with "generation thread died", and the requests in flight wait for it to
+    Stock ``_run_generate`` runs the loop once: any exception of it (e.g. in
+    a batched forward) ends the thread, every later request then fails with
+    "generation thread died", and the requests in flight wait for it to
     notice. Here the requests in flight get the error, the drafter requests
-    of the abandoned batch are stopped, and the loop starts again (it keeps
-    the loaded model and prompt cache). A loop that fails before taking any
-    request (e.g. the model does not load) ends as in stock.
+    of the abandoned batch are stopped, and the loop runs again (it keeps the
+    loaded model and prompt cache). A loop that fails before taking any
+    request (e.g. the model does not load), or once the server is stopping,
+    raises to stock ``_run_generate``, which ends the thread.
     """
     state = state_for(generator.cli_args)
     if state is None:
-        return stock_run(generator)
+        return stock_generate(generator)
     queues = _in_flight(generator)
     while True:
         queues.clear()  # (finished requests' queues are gone or drained)
         try:
-            generator._generate()
-            return
+            return stock_generate(generator)
         except Exception as e:
-            logger.exception("mlx-lm-suffix: the generation loop failed: %s", e)
             taken = list(queues)
             error = RuntimeError(f"generation failed: {type(e).__name__}: {e}")
             for q in taken:
                 q.put(error)  # extra items in finished requests' queues are never read
             state.abandon_batches()
             if generator._stop or not taken:
-                generator._generation_failed = True
-                return
+                raise
+            logger.exception("mlx-lm-suffix: the generation loop failed: %s", e)
             logger.warning(
                 "mlx-lm-suffix: failed %d request(s) in flight; generation restarted",
                 len(taken),
