@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import logging
 import sys
-import warnings
 from typing import Any, Optional, Sequence, Set
 
 # Modules whose import triggers mlx_lm_suffix.patches.apply().
@@ -26,11 +26,11 @@ def _apply() -> None:
 
         patches.apply()
     except Exception as e:  # an import must never fail because of the hook
-        warnings.warn(
-            f"mlx-lm-suffix: could not patch mlx-lm ({type(e).__name__}: {e}); "
-            "mlx-lm runs stock, without suffix decoding.",
-            RuntimeWarning,
-            stacklevel=2,
+        logging.getLogger("mlx_lm_suffix").warning(
+            "mlx-lm-suffix: could not patch mlx-lm (%s: %s); mlx-lm runs stock, "
+            "without suffix decoding.",
+            type(e).__name__,
+            e,
         )
 
 

@@ -166,9 +166,7 @@ class CacheFile:
         try:
             self._responses = read_cache_file(path, expected)
             self._model = expected
-            logger.info(
-                "mlx-lm-suffix: loaded %d responses from %s", len(self._responses), path
-            )
+            logger.info("mlx-lm-suffix: loaded %d responses from %s", len(self._responses), path)
             return
         except FileNotFoundError:
             logger.info("mlx-lm-suffix: %s does not exist yet; starting with an empty cache", path)

@@ -10,7 +10,7 @@ drafting with suffix trees (to mlx-lm's default otherwise). The server adds
 from __future__ import annotations
 
 import argparse
-from typing import Optional
+from typing import Callable, List, Optional
 
 from ..drafter import (
     DEFAULT_MAX_CACHED_REQUESTS,
@@ -174,6 +174,24 @@ def finalize_server_args(parser: argparse.ArgumentParser, ns: argparse.Namespace
             if value is not None:
                 parser.error(f"{flag} needs --draft suffix")
     _finalize(parser, ns, suffix, "--draft suffix")
+
+
+def refuse_suffix_options(
+    parser: argparse.ArgumentParser,
+    ns: argparse.Namespace,
+    extras: List[str],
+    refusal: Callable[[str], str],
+    server: bool = False,
+) -> None:
+    """Exit with status 2 and the one line ``refusal(option)`` where a stock
+    parser's command line asks for suffix decoding: a ``--suffix-*`` option
+    (unknown to it) or, for the ``server``, ``--draft suffix`` (which it
+    reads as ``--draft-model suffix``)."""
+    options = [a for a in extras if a.startswith("--suffix-")]
+    if server and getattr(ns, "draft_model", None) == SUFFIX:
+        options.insert(0, f"--draft {SUFFIX}")
+    if options:
+        parser.exit(2, f"{parser.prog}: error: {refusal(options[0])}\n")
 
 
 def enabled(cli_args: argparse.Namespace) -> bool:

@@ -6,19 +6,22 @@
 - ``setup_arg_parser`` / ``generate``: ``mlx_lm.generate --suffix-draft`` and
   the drafting stats printed with ``--verbose``.
 
-:func:`patch` builds the replacements and changes nothing;
-:func:`mlx_lm_suffix.patches.apply` sets them.
+:func:`patch` and :func:`refuse` build the replacements and change nothing;
+:func:`mlx_lm_suffix.patches.apply` sets one or the other.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import inspect
 import sys
 from types import ModuleType
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..drafter import SuffixDrafter
-from .args import SUFFIX, add_generate_arguments, finalize_generate_args
+from . import compat
+from .args import SUFFIX, add_generate_arguments, finalize_generate_args, refuse_suffix_options
 
 # (object, attribute, new value)
 Replacements = List[Tuple[Any, str, Any]]
@@ -77,7 +80,7 @@ def patch(module: ModuleType) -> Replacements:
     stock_generate = module.generate
     stock_setup_arg_parser = module.setup_arg_parser
 
-    # stream_generate(model, tokenizer, prompt, max_tokens, draft_model, ...)
+    # mlx-lm 0.32.2 stream_generate(model, tokenizer, prompt, max_tokens, draft_model, ...)
     # calls speculative_generate_step by its module-global name for any draft
     # model, having popped max_kv_size and prompt_progress_callback.
     @functools.wraps(stock_stream_generate)
@@ -86,15 +89,13 @@ def patch(module: ModuleType) -> Replacements:
         if drafter is not None:
             draft_model = drafter
             kwargs["_suffix_kwargs"] = {
-                k: kwargs.pop(k)
-                for k in ("max_kv_size", "prompt_progress_callback")
-                if k in kwargs
+                k: kwargs.pop(k) for k in ("max_kv_size", "prompt_progress_callback") if k in kwargs
             }
         return stock_stream_generate(
             model, tokenizer, prompt, max_tokens=max_tokens, draft_model=draft_model, **kwargs
         )
 
-    # speculative_generate_step(prompt, model, draft_model, stream, **kwargs)
+    # mlx-lm 0.32.2 speculative_generate_step(prompt, model, draft_model, stream, **kwargs)
     # yields (token, logprobs, from_draft), as suffix_generate_step does.
     @functools.wraps(stock_speculative)
     def speculative_generate_step(prompt, model, draft_model, *args, **kwargs):
@@ -106,7 +107,7 @@ def patch(module: ModuleType) -> Replacements:
         kwargs.update(kwargs.pop("_suffix_kwargs", {}))
         return suffix_generate_step(prompt, model, draft_model, *args, **kwargs)
 
-    # generate(model, tokenizer, prompt, verbose, **kwargs) calls
+    # mlx-lm 0.32.2 generate(model, tokenizer, prompt, verbose, **kwargs) calls
     # stream_generate by its module-global name; main() calls generate.
     @functools.wraps(stock_generate)
     def generate(model, tokenizer, prompt, verbose=False, **kwargs):
@@ -120,7 +121,7 @@ def patch(module: ModuleType) -> Replacements:
             print(format_stats(_stats_delta(drafter, before)))
         return text
 
-    # setup_arg_parser() returns main()'s parser, which main() parses with
+    # mlx-lm 0.32.2 setup_arg_parser() returns main()'s parser, which main() parses with
     # parse_args() (which calls parse_known_args).
     @functools.wraps(stock_setup_arg_parser)
     def setup_arg_parser():
@@ -148,6 +149,60 @@ def patch(module: ModuleType) -> Replacements:
             "setup_arg_parser": setup_arg_parser,
         },
     )
+
+
+def refuse(module: ModuleType, missing: List[str]) -> Replacements:
+    """For an mlx-lm left stock: replacements that answer suffix drafting
+    (``--suffix-draft``, a :class:`SuffixDrafter` or ``"suffix"`` as draft
+    model) with a one-line error naming the supported mlx-lm versions, and
+    pass everything else to stock untouched (where those targets exist)."""
+    new = {}
+    stock_stream_generate = getattr(module, "stream_generate", None)
+    if callable(stock_stream_generate):
+        new["stream_generate"] = _refusing_stream_generate(stock_stream_generate, missing)
+    stock_setup_arg_parser = getattr(module, "setup_arg_parser", None)
+    if callable(stock_setup_arg_parser):
+        new["setup_arg_parser"] = _refusing_setup_arg_parser(stock_setup_arg_parser, missing)
+    return _with_package_names(module, new)
+
+
+def _refusing_stream_generate(stock: Any, missing: List[str]) -> Any:
+    @functools.wraps(stock)
+    def stream_generate(*args, **kwargs):
+        try:
+            draft_model = (
+                inspect.signature(stock).bind(*args, **kwargs).arguments.get("draft_model")
+            )
+        except (TypeError, ValueError):  # stock raises for its own arguments
+            draft_model = kwargs.get("draft_model")
+        if isinstance(draft_model, SuffixDrafter):
+            what = "a SuffixDrafter as draft_model"
+        elif isinstance(draft_model, str) and draft_model == SUFFIX:
+            what = f"draft_model={SUFFIX!r}"
+        else:
+            return stock(*args, **kwargs)
+        raise compat.IncompatibleMlxLm(compat.refusal(what, missing))
+
+    return stream_generate
+
+
+def _refusing_setup_arg_parser(stock: Any, missing: List[str]) -> Any:
+    @functools.wraps(stock)
+    def setup_arg_parser(*args, **kwargs):
+        parser = stock(*args, **kwargs)
+        if not isinstance(parser, argparse.ArgumentParser):
+            return parser
+        parse_known_args = parser.parse_known_args
+
+        def parse_known_args_refusing_suffix(args=None, namespace=None):
+            ns, extras = parse_known_args(args, namespace)
+            refuse_suffix_options(parser, ns, extras, lambda o: compat.refusal(o, missing))
+            return ns, extras
+
+        parser.parse_known_args = parse_known_args_refusing_suffix
+        return parser
+
+    return setup_arg_parser
 
 
 def _with_package_names(module: ModuleType, new: Dict[str, Any]) -> Replacements:

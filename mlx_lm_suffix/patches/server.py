@@ -7,8 +7,8 @@ straight through to stock unless the server was started with ``--draft
 suffix``, except that a request for ``draft_model: "suffix"`` on a stock
 server gets HTTP 400 instead of an attempt to load a model called "suffix".
 
-:func:`patch` builds the replacements and changes nothing;
-:func:`mlx_lm_suffix.patches.apply` sets them.
+:func:`patch` and :func:`refuse` build the replacements and change nothing;
+:func:`mlx_lm_suffix.patches.apply` sets one or the other.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import sys
 from types import ModuleType
 from typing import Any, List, Tuple
 
-from . import serving
-from .args import add_server_arguments, finalize_server_args
+from . import compat, serving
+from .args import add_server_arguments, finalize_server_args, refuse_suffix_options
 
 # (object, attribute, new value)
 Replacements = List[Tuple[Any, str, Any]]
@@ -68,7 +68,7 @@ def patch(module: ModuleType) -> Replacements:
     stock_do_post = handler_cls.do_POST
     stock_do_get = handler_cls.do_GET
 
-    # run(host, port, model_provider, ...): start-up check of the cache file,
+    # mlx-lm 0.32.2 run(host, port, model_provider, ...): start-up check of the cache file,
     # background saver, SIGTERM handler and final save around stock `run`.
     @functools.wraps(stock_run)
     def run(host, port, model_provider, *args, **kwargs):
@@ -79,26 +79,26 @@ def patch(module: ModuleType) -> Replacements:
         with state.lifetime():
             return stock_run(host, port, model_provider, *args, **kwargs)
 
-    # main(): parses the CLI and calls run(...) until Ctrl-C (or SIGTERM,
+    # mlx-lm 0.32.2 main(): parses the CLI and calls run(...) until Ctrl-C (or SIGTERM,
     # see run above). After a suffix server's orderly shutdown, exit at once.
     @functools.wraps(stock_main)
     def main():
         stock_main()
         serving.exit_after_shutdown()
 
-    # ModelProvider._load(model_path, adapter_path, draft_model_path) loads
+    # mlx-lm 0.32.2 ModelProvider._load(model_path, adapter_path, draft_model_path) loads
     # and sets self.model/tokenizer/model_key: register the model's drafter.
     @functools.wraps(stock_load)
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
         stock_load(self, model_path, adapter_path, draft_model_path)
         serving.on_model_loaded(self, model_path, adapter_path)
 
-    # ResponseGenerator._generate creates `BatchGenerator(model, ...)` by the
+    # mlx-lm 0.32.2 ResponseGenerator._generate creates `BatchGenerator(model, ...)` by the
     # module-global name: a suffix batch generator for suffix servers' models.
     def BatchGenerator(model, **kwargs):
         return serving.make_batch_generator(stock_batch_generator, model, **kwargs)
 
-    # ResponseGenerator._tokenize(tokenizer, request, args) -> (prompt, ...)
+    # mlx-lm 0.32.2 ResponseGenerator._tokenize(tokenizer, request, args) -> (prompt, ...)
     # runs, in the generation thread, right before the request is inserted
     # into the batch (insert_segments) or served by _serve_single.
     @functools.wraps(stock_tokenize)
@@ -107,7 +107,7 @@ def patch(module: ModuleType) -> Replacements:
         serving.note_prompt(self.model_provider.cli_args, request, result[0])
         return result
 
-    # ResponseGenerator._next_request(timeout) -> (rqueue, request, args) or
+    # mlx-lm 0.32.2 ResponseGenerator._next_request(timeout) -> (rqueue, request, args) or
     # None, and _generate() (the generation loop, which stock _run_generate
     # runs once, ending the thread at its first exception): fail the requests
     # in flight and run the loop again.
@@ -121,7 +121,7 @@ def patch(module: ModuleType) -> Replacements:
     def _generate(self):
         serving.generate_restarting(self, stock_generate)
 
-    # ResponseGenerator._serve_single calls the module-global
+    # mlx-lm 0.32.2 ResponseGenerator._serve_single calls the module-global
     # `stream_generate(model=..., tokenizer=..., prompt=rest, ...,
     # draft_model=provider.draft_model, num_draft_tokens=...)`; the patched
     # mlx_lm.generate.stream_generate takes a SuffixDrafter.
@@ -137,7 +137,7 @@ def patch(module: ModuleType) -> Replacements:
             kwargs,
         )
 
-    # APIHandler.validate_model_parameters(): called by do_POST once the body
+    # mlx-lm 0.32.2 APIHandler.validate_model_parameters(): called by do_POST once the body
     # fields are attributes; a ValueError becomes HTTP 400 with its message.
     @functools.wraps(stock_validate)
     def validate_model_parameters(self):
@@ -145,7 +145,7 @@ def patch(module: ModuleType) -> Replacements:
         stock_validate(self)
         self._mlx_lm_suffix = serving.request_info(self)
 
-    # APIHandler.handle_completion(request, stop_words): the CompletionRequest
+    # mlx-lm 0.32.2 APIHandler.handle_completion(request, stop_words): the CompletionRequest
     # travels to the generation thread; it carries the request's suffix info.
     @functools.wraps(stock_handle_completion)
     def handle_completion(self, request, stop_words):
@@ -156,7 +156,7 @@ def patch(module: ModuleType) -> Replacements:
         serving.mark_generating(self)
         return stock_handle_completion(self, request, stop_words)
 
-    # APIHandler.generate_response(...) / completion_usage_response(...)
+    # mlx-lm 0.32.2 APIHandler.generate_response(...) / completion_usage_response(...)
     # return the response dicts; add the draft counters to their "usage".
     def with_usage(stock_method):
         @functools.wraps(stock_method)
@@ -166,7 +166,7 @@ def patch(module: ModuleType) -> Replacements:
 
         return method
 
-    # APIHandler.do_POST(): on suffix servers, an exception (a body that is
+    # mlx-lm 0.32.2 APIHandler.do_POST(): on suffix servers, an exception (a body that is
     # not UTF-8, a failed generation) is answered instead of dropping the
     # connection without a response.
     @functools.wraps(stock_do_post)
@@ -179,7 +179,7 @@ def patch(module: ModuleType) -> Replacements:
         except Exception as e:
             serving.answer_error(self, e)
 
-    # APIHandler.do_GET(): GET /v1/suffix/stats on suffix servers.
+    # mlx-lm 0.32.2 APIHandler.do_GET(): GET /v1/suffix/stats on suffix servers.
     @functools.wraps(stock_do_get)
     def do_GET(self):
         state = serving.state_for(self.response_generator.cli_args)
@@ -193,7 +193,7 @@ def patch(module: ModuleType) -> Replacements:
         self.wfile.flush()
 
     return [
-        # main() builds `argparse.ArgumentParser(...)` by the module-global
+        # mlx-lm 0.32.2 main() builds `argparse.ArgumentParser(...)` by the module-global
         # name `argparse` and calls `parser.parse_args()` once all options
         # are added.
         (module, "argparse", _argparse_with(_SuffixServerParser)),
@@ -216,3 +216,20 @@ def patch(module: ModuleType) -> Replacements:
         (handler_cls, "do_POST", do_POST),
         (handler_cls, "do_GET", do_GET),
     ]
+
+
+def refuse(module: ModuleType, missing: List[str]) -> Replacements:
+    """For an mlx-lm left stock: ``mlx_lm.server``'s parser answers ``--draft
+    suffix`` (or ``--draft-model suffix``, as stock reads it) and any
+    ``--suffix-*`` option with a one-line error, exit status 2; everything
+    else is stock."""
+
+    class RefusingParser(argparse.ArgumentParser):
+        def parse_known_args(self, args=None, namespace=None):
+            ns, extras = super().parse_known_args(args, namespace)
+            refuse_suffix_options(
+                self, ns, extras, lambda o: compat.refusal(o, missing), server=True
+            )
+            return ns, extras
+
+    return [(module, "argparse", _argparse_with(RefusingParser))]
