@@ -19,7 +19,8 @@ from test_server import Server, _messages  # noqa: E402
 LAUNCHER = [sys.executable, str(Path(__file__).with_name("incompatible_mlx_lm.py"))]
 # What the launcher changed, as compat.missing() names it.
 CHANGED = "mlx_lm.server.ResponseGenerator._tokenize(self, tokenizer, request, args)"
-INCOMPATIBLE_ENV = {"MLX_LM_SUFFIX_AUTOLOAD": "0"}
+# mlx_lm_suffix imported by the scripts, not by the .pth at start-up.
+NO_AUTOLOAD = {"MLX_LM_SUFFIX_AUTOLOAD": "0"}
 
 
 def test_this_mlx_lm_has_everything():
@@ -47,7 +48,7 @@ def _run(*args):
         capture_output=True,
         text=True,
         timeout=300,
-        env=dict(os.environ, **INCOMPATIBLE_ENV),
+        env=dict(os.environ, **NO_AUTOLOAD),
     )
 
 
@@ -76,7 +77,7 @@ def test_incompatible_generate_stays_stock(tiny_model_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env=dict(os.environ, **INCOMPATIBLE_ENV),
+        env=dict(os.environ, **NO_AUTOLOAD),
     )
     assert stock.returncode == 0, stock.stderr
     out = _run("generate", "--model", tiny_model_path, *prompt)
@@ -103,7 +104,7 @@ def test_incompatible_server_stays_stock(tiny_model_path, tmp_path):
         log_dir=tmp_path,
         name="incompatible",
         launcher=[*LAUNCHER, "server"],
-        env=INCOMPATIBLE_ENV,
+        env=NO_AUTOLOAD,
     )
     try:
         status, reply = server.post(
@@ -122,3 +123,32 @@ def test_incompatible_server_stays_stock(tiny_model_path, tmp_path):
         (["--suffix-policy", "fixed"], "--suffix-policy"),
     ):
         _one_line_refusal(_run("server", "--model", tiny_model_path, *args), what)
+
+
+def test_failing_patch_leaves_everything_stock():
+    """A patch that raises while it is built: the import succeeds, one
+    warning, and nothing is patched (mlx_lm.generate's patch built fine)."""
+    code = (
+        "import sys\n"
+        "import mlx_lm_suffix.patches.server as server\n"
+        "def boom(module): raise RuntimeError('boom')\n"
+        "server.patch = boom\n"
+        "import mlx_lm, mlx_lm.server\n"
+        "g = sys.modules['mlx_lm.generate']\n"
+        "print([hasattr(f, '__wrapped__') for f in (mlx_lm.stream_generate, g.stream_generate,"
+        " g.setup_arg_parser, mlx_lm.server.main, mlx_lm.server.ResponseGenerator._tokenize)])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, **NO_AUTOLOAD),
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str([False] * 5)
+    warnings = [line for line in out.stderr.splitlines() if "mlx-lm-suffix" in line]
+    assert warnings == [
+        "mlx-lm-suffix: patching mlx-lm failed (RuntimeError: boom); mlx-lm runs stock, "
+        "without suffix decoding."
+    ], out.stderr

@@ -91,7 +91,7 @@ def patch(module: ModuleType) -> Replacements:
     @functools.wraps(stock_load)
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
         stock_load(self, model_path, adapter_path, draft_model_path)
-        serving.on_model_loaded(self, model_path, adapter_path)
+        serving.on_model_loaded(self, model_path)
 
     # mlx-lm 0.32.2 ResponseGenerator._generate creates `BatchGenerator(model, ...)` by the
     # module-global name: a suffix batch generator for suffix servers' models.

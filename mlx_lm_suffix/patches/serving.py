@@ -100,9 +100,7 @@ class SuffixServing:
         self._lock = threading.RLock()
         self.entries: Dict[Tuple[Any, ...], ModelEntry] = {}
 
-    def on_model_loaded(
-        self, model_path: str, adapter_path: Any, model: Any, tokenizer: Any, key: Any
-    ) -> ModelEntry:
+    def on_model_loaded(self, model_path: str, model: Any, tokenizer: Any, key: Any) -> ModelEntry:
         """Register (or find again) the drafter of a model just loaded."""
         from mlx_lm.generate import _merge_caches
         from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
@@ -443,13 +441,12 @@ def _entry_for_model(model: Any) -> Optional[ModelEntry]:
     return getattr(model, _MODEL_ATTR, None)
 
 
-def on_model_loaded(provider: Any, model_path: str, adapter_path: Any) -> None:
+def on_model_loaded(provider: Any, model_path: str) -> None:
+    """``provider`` (a ``ModelProvider``) loaded the model at ``model_path``."""
     state = state_for(provider.cli_args)
     if state is None or provider.model is None:
         return
-    state.on_model_loaded(
-        model_path, adapter_path, provider.model, provider.tokenizer, provider.model_key
-    )
+    state.on_model_loaded(model_path, provider.model, provider.tokenizer, provider.model_key)
 
 
 def single_stream_generate(
