@@ -96,11 +96,17 @@ LOOKUPS: Dict[str, Tuple[str, ...]] = {
     "mlx_lm.generate:stream_generate": ("speculative_generate_step",),
     "mlx_lm.generate:generate": ("stream_generate",),
     "mlx_lm.generate:main": ("setup_arg_parser", "generate"),
+    "mlx_lm.generate:GenerationBatch.next": ("_step",),
     "mlx_lm.server:main": ("argparse", "run"),
+    "mlx_lm.server:ModelProvider.load": ("_load",),
     "mlx_lm.server:ResponseGenerator._run_generate": ("_generate",),
     "mlx_lm.server:ResponseGenerator._generate": ("BatchGenerator", "_next_request", "_tokenize"),
     "mlx_lm.server:ResponseGenerator._serve_single": ("stream_generate", "_tokenize"),
     "mlx_lm.server:APIHandler.do_POST": ("validate_model_parameters", "handle_completion"),
+    "mlx_lm.server:APIHandler.handle_completion": (
+        "generate_response",
+        "completion_usage_response",
+    ),
 }
 
 # Methods and the attributes they set on the instance, which mlx_lm_suffix
