@@ -8,18 +8,30 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import logging
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Set
 
-# Modules whose import triggers a patch, mapped to the patch function name in
-# mlx_lm_suffix.integration.
-_TARGETS = {"mlx_lm.generate": "patch_generate", "mlx_lm.server": "patch_server"}
+# Modules whose import triggers mlx_lm_suffix.patches.apply().
+_TARGETS = ("mlx_lm.generate", "mlx_lm.server")
+# Targets being executed: patching waits until none is half imported.
+_executing: Set[str] = set()
 
 
-def _apply(name: str, module: Any) -> None:
-    from . import integration
+def _apply() -> None:
+    if _executing:
+        return  # the target being executed calls again once it is imported
+    try:
+        from . import patches
 
-    getattr(integration, _TARGETS[name])(module)
+        patches.apply()
+    except Exception as e:  # an import must never fail because of the hook
+        logging.getLogger("mlx_lm_suffix").warning(
+            "mlx-lm-suffix: could not patch mlx-lm (%s: %s); mlx-lm runs stock, "
+            "without suffix decoding.",
+            type(e).__name__,
+            e,
+        )
 
 
 class _Loader(importlib.abc.Loader):
@@ -31,8 +43,12 @@ class _Loader(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module) -> None:
-        self._loader.exec_module(module)
-        _apply(self._name, module)
+        _executing.add(self._name)
+        try:
+            self._loader.exec_module(module)
+        finally:
+            _executing.discard(self._name)
+        _apply()
 
     def get_code(self, fullname: str):
         # runpy (`python -m mlx_lm.server`, `python -m mlx_lm.generate`) runs
@@ -68,6 +84,5 @@ def install() -> None:
     """Patch the mlx-lm modules already imported and those imported later."""
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
-    for name in _TARGETS:
-        if name in sys.modules:
-            _apply(name, sys.modules[name])
+    if any(name in sys.modules for name in _TARGETS):
+        _apply()

@@ -69,8 +69,6 @@ from .stats import BatchDraftStats, RequestUsage
 from .verification import accepted_length
 
 __all__ = [
-    "BatchDraftStats",
-    "RequestUsage",
     "RowOptions",
     "SuffixBatchGenerator",
     "SuffixGenerationBatch",

@@ -7,22 +7,58 @@ Schema (version :data:`CACHE_FILE_VERSION`)::
      "responses": [{"scope": <scope or null>, "tokens": [int, ...]}, ...]}
 
 Saves are atomic (write a temp file in the same folder, fsync, rename).
+:class:`CacheFile` is the file of one ``mlx_lm.server --draft suffix
+--suffix-cache-file PATH``: read at start-up, saved in the background, on
+SIGTERM and at shutdown, never replaced by another model's responses.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import logging
 import os
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 CACHE_FILE_FORMAT = "mlx-lm-suffix-cache"
 CACHE_FILE_VERSION = 1
+#: Least time between two background saves of a :class:`CacheFile`.
+SAVE_INTERVAL_S = float(os.environ.get("MLX_LM_SUFFIX_SAVE_INTERVAL", "5"))
+
+logger = logging.getLogger("mlx_lm_suffix.serving")
 
 
 class CacheFileError(ValueError):
     """A suffix cache file that cannot be used."""
+
+
+class OtherModelError(CacheFileError):
+    """A suffix cache file made for another model (its id: ``model``)."""
+
+    def __init__(self, message: str, model: str):
+        super().__init__(message)
+        self.model = model
+
+
+class CacheFileRefused(RuntimeError):
+    """The cache file holds token ids of another model: a server must not
+    use or overwrite it."""
+
+
+def model_id(model_path: str, tokenizer: Any) -> str:
+    """Identify the token ids of a model: its path (resolved) or repo id,
+    plus the vocabulary size and a hash of the vocabulary."""
+    path = Path(model_path).expanduser()
+    name = str(path.resolve()) if path.exists() else str(model_path)
+    vocab = tokenizer.get_vocab()
+    h = hashlib.sha256()
+    for tok, i in sorted(vocab.items(), key=lambda kv: kv[1]):
+        h.update(f"{i}\t{tok}\n".encode("utf-8", "surrogatepass"))
+    return f"{name}|vocab={len(vocab)}|sha256={h.hexdigest()[:16]}"
 
 
 def save_cache_file(drafter: Any, path: str | os.PathLike, model_id: str) -> None:
@@ -51,8 +87,9 @@ def save_cache_file(drafter: Any, path: str | os.PathLike, model_id: str) -> Non
 def read_cache_file(path: str | os.PathLike, model_id: str) -> List[Tuple[Any, List[int]]]:
     """Read responses saved by :func:`save_cache_file`.
 
-    Raises ``FileNotFoundError`` when missing, and :class:`CacheFileError`
-    when the file is unreadable, corrupt, or was made for another model."""
+    Raises ``FileNotFoundError`` when missing, :class:`OtherModelError` when
+    it was made for another model (whatever its version), and
+    :class:`CacheFileError` when it is unreadable or corrupt."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -62,15 +99,19 @@ def read_cache_file(path: str | os.PathLike, model_id: str) -> List[Tuple[Any, L
         raise CacheFileError(f"suffix cache file {path} is not readable: {e}") from e
     if not isinstance(data, dict) or data.get("format") != CACHE_FILE_FORMAT:
         raise CacheFileError(f"{path} is not an mlx-lm-suffix cache file")
+    stored = data.get("model")
+    if stored != model_id:
+        message = (
+            f"{path} holds token ids of model {stored!r}, "
+            f"not of the loaded model {model_id!r}; use another --suffix-cache-file"
+        )
+        if isinstance(stored, str):
+            raise OtherModelError(message, stored)
+        raise CacheFileError(message)
     if data.get("version") != CACHE_FILE_VERSION:
         raise CacheFileError(
             f"{path} has cache format version {data.get('version')!r}, "
             f"expected {CACHE_FILE_VERSION}"
-        )
-    if data.get("model") != model_id:
-        raise CacheFileError(
-            f"{path} holds token ids of model {data.get('model')!r}, "
-            f"not of the loaded model {model_id!r}; use another --suffix-cache-file"
         )
     out = []
     for r in data.get("responses", []):
@@ -81,3 +122,134 @@ def read_cache_file(path: str | os.PathLike, model_id: str) -> List[Tuple[Any, L
             raise CacheFileError(f"{path} has a malformed response entry")
         out.append((r.get("scope"), tokens))
     return out
+
+
+class CacheFile:
+    """The ``--suffix-cache-file`` of one server.
+
+    The file belongs to one model: the server's ``--model``, checked at
+    start-up (:meth:`check_at_start`), or else the first model loaded. That
+    model's drafter is warmed from the file (:meth:`attach`) and saved to it
+    (:meth:`save`), in the background while :meth:`saving` runs and once
+    more when it ends. A file made for another model is neither used nor
+    overwritten. Thread-safe.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = path
+        self._lock = threading.RLock()
+        self._checked = False
+        self._model: Optional[str] = None  # the model id the file belongs to
+        self._responses: List[Tuple[Any, List[int]]] = []  # read, not yet in a drafter
+        self._disabled = False  # another model's file
+        self._drafter: Any = None  # the drafter saved to the file
+        self._saved: Any = None  # its signature when last saved
+        self._stop = threading.Event()
+
+    def check_at_start(self, model_path: str) -> None:
+        """Read the file for the model at ``model_path`` (the server's
+        default model, in the main thread before serving). Raises
+        :class:`CacheFileRefused` when the file belongs to another model."""
+        try:
+            from mlx_lm.utils import load_tokenizer
+
+            mid = model_id(model_path, load_tokenizer(model_path))
+        except Exception as e:  # resolved later, when the model loads
+            logger.info("mlx-lm-suffix: cache file check deferred to model load (%s)", e)
+            return
+        with self._lock:
+            self._read(mid, refuse=True)
+
+    def _read(self, expected: str, refuse: bool) -> None:
+        self._checked = True
+        path = self.path
+        try:
+            self._responses = read_cache_file(path, expected)
+            self._model = expected
+            logger.info("mlx-lm-suffix: loaded %d responses from %s", len(self._responses), path)
+            return
+        except FileNotFoundError:
+            logger.info("mlx-lm-suffix: %s does not exist yet; starting with an empty cache", path)
+        except OtherModelError as e:
+            msg = (
+                f"suffix cache file {path} was made for model {e.model!r}, not for "
+                f"the loaded model {expected!r}: refusing to use or overwrite it. "
+                "Pass another --suffix-cache-file (or delete this one)."
+            )
+            if refuse:
+                raise CacheFileRefused(msg) from e
+            logger.error("mlx-lm-suffix: %s", msg)
+            self._disabled = True
+            return
+        except CacheFileError as e:
+            logger.warning(
+                "mlx-lm-suffix: %s; starting with an empty suffix cache (the file "
+                "will be overwritten)",
+                e,
+            )
+        self._model = expected
+
+    def attach(self, model_id: str, drafter: Any) -> bool:
+        """A model was loaded: warm its ``drafter`` (None: it cannot draft)
+        from the file if the file belongs to it. Returns whether the file
+        saves this drafter."""
+        with self._lock:
+            if not self._disabled and self._drafter is None:
+                if not self._checked:
+                    # No --model: the first model loaded claims the file.
+                    self._read(model_id, refuse=False)
+                if not self._disabled and model_id == self._model and drafter is not None:
+                    n = drafter.add_responses(self._responses)
+                    self._responses = []
+                    self._drafter = drafter
+                    self._saved = _signature(drafter)
+                    if n:
+                        logger.info("mlx-lm-suffix: warmed the suffix cache with %d responses", n)
+            return drafter is not None and self._drafter is drafter
+
+    def save(self, force: bool = False) -> bool:
+        """Save the drafter's cache atomically if it changed since the last
+        save (``force``: anyway). Returns whether it saved."""
+        with self._lock:
+            drafter = self._drafter
+            if drafter is None:
+                return False
+            sig = _signature(drafter)
+            if not force and sig == self._saved:
+                return False
+            try:
+                save_cache_file(drafter, self.path, self._model)
+            except OSError as e:
+                logger.error("mlx-lm-suffix: could not save %s: %s", self.path, e)
+                return False
+            self._saved = sig
+            return True
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Save at most every :data:`SAVE_INTERVAL_S` seconds in a
+        background thread while the block runs, and once more after it."""
+        saver = threading.Thread(target=self._save_loop, name="mlx-lm-suffix-saver", daemon=True)
+        saver.start()
+        try:
+            yield
+        finally:
+            self._stop.set()
+            saver.join()
+            self.save()
+
+    def _save_loop(self) -> None:
+        while not self._stop.wait(SAVE_INTERVAL_S):
+            try:
+                self.save()
+            except Exception:  # never let the saver die silently mid-run
+                logger.exception("mlx-lm-suffix: saving the suffix cache failed")
+
+
+def _signature(drafter: Any) -> Tuple[int, int, int]:
+    """Changes when the drafter's cached responses do."""
+    return (
+        drafter.stats.requests - drafter.active_requests,
+        drafter.cached_requests,
+        drafter.cached_tokens,
+    )

@@ -14,9 +14,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 from test_loop import WrongFirstToken
 
-from mlx_lm_suffix.batch import BatchDraftStats, RequestUsage, RowOptions, SuffixBatchGenerator
+from mlx_lm_suffix.batch import RowOptions, SuffixBatchGenerator
 from mlx_lm_suffix.drafter import SuffixDrafter
 from mlx_lm_suffix.policy import VerifyCost
+from mlx_lm_suffix.stats import BatchDraftStats, RequestUsage
 
 MAX_TOKENS = 32
 

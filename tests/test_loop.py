@@ -111,7 +111,7 @@ def test_stream_generate_accepts_drafter_and_suffix(model_and_tokenizer):
     text1 = mlx_lm_suffix_generate(model, tokenizer, prompt, "suffix")
     text2 = mlx_lm_suffix_generate(model, tokenizer, prompt, "suffix")
     assert text1 == text2 == "".join(r.text for r in stock)
-    from mlx_lm_suffix.integration import drafter_for
+    from mlx_lm_suffix.patches.generate import drafter_for
 
     assert drafter_for(model).snapshot()["cached_requests"] == 2
     with pytest.raises(ValueError, match="Unknown draft_model"):

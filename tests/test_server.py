@@ -508,7 +508,7 @@ def test_user_scope_isolates_callers(tiny_model_path, logs):
 def _model_id(path):
     from mlx_lm.utils import load_tokenizer
 
-    from mlx_lm_suffix.serving import model_id
+    from mlx_lm_suffix.persistence import model_id
 
     return model_id(str(path), load_tokenizer(path))
 

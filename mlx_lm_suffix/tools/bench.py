@@ -381,7 +381,7 @@ def generate_one(
             kwargs["num_draft_tokens"] = num_draft_tokens
         if isinstance(drafter, OracleDrafter):
             drafter.set_reference(req.reference_ids)
-        before = drafter.stats.as_dict()
+        before = drafter.stats.copy()
     out: List[int] = []
     t0 = time.perf_counter()
     ttft = 0.0
@@ -393,10 +393,8 @@ def generate_one(
     seconds = time.perf_counter() - t0
     s = Sample(tokens=len(out), seconds=seconds, ttft=ttft, steps=len(out))
     if drafter is not None:
-        after = drafter.stats.as_dict()
-        s.drafted = after["drafted"] - before["drafted"]
-        s.accepted = after["accepted"] - before["accepted"]
-        s.steps = after["steps"] - before["steps"]
+        moved = drafter.stats.delta(before)
+        s.drafted, s.accepted, s.steps = moved.drafted, moved.accepted, moved.steps
     if scripted:
         s.matched = out == req.reference_ids[: len(out)] and (
             len(out) == min(max_tokens, len(req.reference_ids))
@@ -441,7 +439,7 @@ def run_inprocess_arms(
     for a, drafter in drafters.items():
         if drafter is None:
             continue
-        drafter.ensure_cost(model)  # the cost calibration stays out of the timings
+        drafter.policy.ensure_cost(model)  # the cost calibration stays out of the timings
         if a.startswith("suffix-warm"):  # replay once, untimed
             for req in requests:
                 generate_one(model, tokenizer, req, max_tokens, drafter, scripted, eos_id)

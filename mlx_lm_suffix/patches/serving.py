@@ -1,20 +1,24 @@
 """Server-side state of ``mlx_lm.server --draft suffix``.
 
-Everything here is plain logic called from the thin patches in
-:mod:`mlx_lm_suffix.integration` (``patch_server``):
+Plain logic called from the thin wrappers of :mod:`mlx_lm_suffix.patches.server`:
 
-- CLI: :func:`add_server_arguments` / :func:`finalize_server_args`.
 - :class:`SuffixServing`, one per server (its parsed CLI namespace): a drafter
   per loaded model (kept for the server's lifetime, so switching models back
-  and forth keeps each model's cache), the cache file, and the stats.
+  and forth keeps each model's cache), the cache file
+  (:class:`~mlx_lm_suffix.persistence.CacheFile`), the stats, and the
+  server's lifetime (SIGTERM, orderly exit).
 - Requests: :func:`request_info` validates the per-request fields and
   computes the cache scope; :func:`note_prompt` / :func:`batch_row_options`
   carry it from the tokenizer call to the batch row (same thread);
   :func:`single_stream_generate` routes the server's single-request path to
   suffix decoding.
-- Persistence: the cache file is read at start-up, saved by a background
-  thread at most every :data:`SAVE_INTERVAL_S` seconds after requests
-  finish, on SIGTERM and on shutdown; always atomically.
+- Failures: :func:`generate_restarting` restarts the generation loop after
+  failing the requests in flight; :func:`answer_error` answers a POST whose
+  handling raised.
+
+Modules that import mlx_lm (batch, verification, mlx_lm itself) are
+imported where they are used: this module is imported while mlx-lm is
+being patched, which can happen while one of them is half imported.
 """
 
 from __future__ import annotations
@@ -28,131 +32,37 @@ import signal
 import threading
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    Hashable,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+)
 from urllib.parse import urlsplit
 
-from .batch import BatchDraftStats, RequestUsage, RowOptions, SuffixBatchGenerator
-from .drafter import (
-    DEFAULT_NUM_DRAFT_TOKENS,
-    SuffixDrafter,
-)
-from .persistence import CacheFileError, read_cache_file, save_cache_file
+from ..drafter import SuffixDrafter
+from ..persistence import CacheFile, CacheFileRefused, model_id
+from ..stats import BatchDraftStats, RequestUsage
+from .args import SUFFIX, drafter_from_args, enabled
+
+if TYPE_CHECKING:
+    from ..batch import RowOptions
 
 logger = logging.getLogger("mlx_lm_suffix.serving")
 
-SUFFIX = "suffix"
-SCOPES = ("global", "user")
 STATS_PATH = "/v1/suffix/stats"
-#: Least time between two background saves of the cache file.
-SAVE_INTERVAL_S = float(os.environ.get("MLX_LM_SUFFIX_SAVE_INTERVAL", "5"))
 #: Usage fields added to each response.
 USAGE_DRAFTED = "draft_tokens"
 USAGE_ACCEPTED = "accepted_draft_tokens"
 _STATE_ATTR = "_mlx_lm_suffix_serving"
 _REQUEST_ATTR = "_mlx_lm_suffix"
 _MODEL_ATTR = "_mlx_lm_suffix_server_entry"
-
-
-# --------------------------------------------------------------------- CLI
-def add_server_arguments(parser: Any) -> None:
-    """Add ``--draft suffix`` and the ``--suffix-*`` options to the server's
-    parser (called before it parses)."""
-    from .integration import add_drafter_arguments
-
-    parser._suffix_stock_num_draft_tokens = parser.get_default("num_draft_tokens")
-    parser.add_argument(
-        "--draft",
-        choices=[SUFFIX],
-        default=None,
-        help="Speculative decoding without a draft model: 'suffix' drafts from "
-        "suffix trees of the prompt and of earlier responses (mlx-lm-suffix). "
-        f"--num-draft-tokens defaults to {DEFAULT_NUM_DRAFT_TOKENS} with it.",
-    )
-    parser.set_defaults(num_draft_tokens=None)
-    add_drafter_arguments(parser)
-    group = parser.add_argument_group("suffix decoding server options (mlx-lm-suffix)")
-    group.add_argument(
-        "--suffix-cache-scope",
-        choices=list(SCOPES),
-        default="global",
-        help="'global': every request drafts from all earlier responses. 'user': "
-        "only from the same caller's (the request's 'user' field and/or its "
-        "'Authorization: Bearer' API key, hashed); a shared cache lets one "
-        "client's speed reveal what other clients' answers contained. "
-        "Default: global",
-    )
-    group.add_argument(
-        "--suffix-cache-file",
-        default=None,
-        metavar="PATH",
-        help="Warm the suffix cache from PATH at start-up and save new responses "
-        "to it (atomically; on shutdown and at most every "
-        f"{SAVE_INTERVAL_S:g} s). A missing or corrupt file starts empty.",
-    )
-
-
-def finalize_server_args(parser: Any, ns: Any) -> None:
-    """Resolve defaults and check the suffix options after parsing."""
-    from .integration import drafter_from_args
-
-    if getattr(ns, "draft_model", None) == SUFFIX:
-        # --draft-model suffix (or the prefix --draft-m...): never a model.
-        ns.draft_model = None
-        ns.draft = SUFFIX
-    suffix = getattr(ns, "draft", None) == SUFFIX
-    if ns.num_draft_tokens is None:
-        ns.num_draft_tokens = (
-            DEFAULT_NUM_DRAFT_TOKENS if suffix else parser._suffix_stock_num_draft_tokens
-        )
-    if not suffix:
-        for flag, value in (
-            ("--suffix-cache-file", ns.suffix_cache_file),
-            ("--suffix-cache-scope user", ns.suffix_cache_scope == "user" or None),
-        ):
-            if value is not None:
-                parser.error(f"{flag} needs --draft suffix")
-        return
-    if ns.draft_model is not None:
-        parser.error("--draft suffix and --draft-model cannot be combined")
-    try:
-        drafter_from_args(ns)
-    except ValueError as e:
-        parser.error(str(e))
-
-
-def enabled(cli_args: Any) -> bool:
-    return getattr(cli_args, "draft", None) == SUFFIX
-
-
-# ------------------------------------------------------------- model ids
-def model_id(model_path: str, tokenizer: Any) -> str:
-    """Identify the token ids of a model: its path (resolved) or repo id,
-    plus the vocabulary size and a hash of the vocabulary."""
-    path = Path(model_path).expanduser()
-    name = str(path.resolve()) if path.exists() else str(model_path)
-    vocab = tokenizer.get_vocab()
-    h = hashlib.sha256()
-    for tok, i in sorted(vocab.items(), key=lambda kv: kv[1]):
-        h.update(f"{i}\t{tok}\n".encode("utf-8", "surrogatepass"))
-    return f"{name}|vocab={len(vocab)}|sha256={h.hexdigest()[:16]}"
-
-
-def _stored_model(path: str | os.PathLike) -> Optional[str]:
-    """The model id written in a cache file, or None if unreadable."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if isinstance(data, dict) and data.get("format") == "mlx-lm-suffix-cache":
-        model = data.get("model")
-        return model if isinstance(model, str) else None
-    return None
-
-
-class CacheFileRefused(RuntimeError):
-    """The cache file holds token ids of another model."""
 
 
 # ------------------------------------------------------------------ state
@@ -163,7 +73,7 @@ class ModelEntry:
     key: Tuple[Any, ...]
     model_id: str
     drafter: Optional[SuffixDrafter]  # None: the model cannot roll back
-    batch_stats: BatchDraftStats = field(default_factory=BatchDraftStats)
+    batch_stats: BatchDraftStats
     persisted: bool = False
     # The model's batch generators alive (the server's generation thread).
     generators: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
@@ -176,7 +86,7 @@ class RequestInfo:
     drafting: bool
     num_draft_tokens: int
     scope: Hashable
-    usage: RequestUsage = field(default_factory=RequestUsage)
+    usage: RequestUsage
 
 
 class SuffixServing:
@@ -185,33 +95,18 @@ class SuffixServing:
     def __init__(self, cli_args: Any):
         self.cli_args = cli_args
         self.scope = getattr(cli_args, "suffix_cache_scope", "global") or "global"
-        self.cache_file = getattr(cli_args, "suffix_cache_file", None)
+        path = getattr(cli_args, "suffix_cache_file", None)
+        self.cache_file = CacheFile(path) if path else None
         self.num_draft_tokens = cli_args.num_draft_tokens
-        from .integration import drafter_from_args
-
-        self._new_drafter = lambda: drafter_from_args(cli_args)
         self._lock = threading.RLock()
         self.entries: Dict[Tuple[Any, ...], ModelEntry] = {}
-        # Persistence
-        self._file_checked = False
-        self._file_model: Optional[str] = None  # model id the file belongs to
-        self._file_responses: List[Tuple[Any, List[int]]] = []
-        self._file_disabled = False
-        self._persisted: Optional[ModelEntry] = None
-        self._saved_signature: Any = None
-        self._save_lock = threading.RLock()
-        self._stop_saver = threading.Event()
-        self._saver: Optional[threading.Thread] = None
 
-    # ------------------------------------------------------------ models
-    def on_model_loaded(
-        self, model_path: str, adapter_path: Any, model: Any, tokenizer: Any, key: Any
-    ) -> ModelEntry:
+    def on_model_loaded(self, model_path: str, model: Any, tokenizer: Any, key: Any) -> ModelEntry:
         """Register (or find again) the drafter of a model just loaded."""
         from mlx_lm.generate import _merge_caches
-        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+        from mlx_lm.models.cache import make_prompt_cache
 
-        from .verification import can_rollback_batch
+        from .. import rollback
 
         with self._lock:
             entry = self.entries.get(key)
@@ -219,159 +114,52 @@ class SuffixServing:
                 mid = model_id(model_path, tokenizer)
                 cache = make_prompt_cache(model)
                 drafter = None
-                if can_trim_prompt_cache(cache):
-                    drafter = self._new_drafter()
-                    drafter.ensure_cost(model)  # at load, not in a request
+                if rollback.supports(cache):
+                    drafter = drafter_from_args(self.cli_args)
+                    drafter.policy.ensure_cost(model)  # at load, not in a request
                     try:
-                        batch_ok = can_rollback_batch(_merge_caches([cache]))
+                        batch_ok = rollback.supports_batch(_merge_caches([cache]))
                     except Exception:
                         batch_ok = False
                     if not batch_ok:
                         logger.warning(
-                            "mlx-lm-suffix: the batched KV cache of %s cannot roll rows "
+                            "mlx-lm-suffix: the batched cache of %s cannot roll rows "
                             "back; concurrent (batched) requests are served without "
                             "drafting, single requests with it.",
                             model_path,
                         )
                 else:
-                    kinds = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
                     logger.warning(
-                        "mlx-lm-suffix: the KV cache of %s (%s) cannot be rolled back; "
+                        "mlx-lm-suffix: the cache of %s (%s) cannot be rolled back; "
                         "serving it without suffix drafting.",
                         model_path,
-                        ", ".join(kinds),
+                        rollback.describe(cache),
                     )
-                entry = self.entries[key] = ModelEntry(key, mid, drafter)
+                entry = self.entries[key] = ModelEntry(key, mid, drafter, BatchDraftStats())
             # Kept on the model (modules are unhashable dicts).
             object.__setattr__(model, _MODEL_ATTR, entry)
-            self._attach_file(entry)
+            if self.cache_file is not None:
+                entry.persisted = self.cache_file.attach(entry.model_id, entry.drafter)
             return entry
 
-    # ------------------------------------------------------- persistence
-    def check_cache_file(self, default_model_id: Optional[str]) -> None:
-        """Read the cache file at start-up (main thread). Raises
-        :class:`CacheFileRefused` when it belongs to another model."""
-        if not self.cache_file or default_model_id is None:
-            return
-        self._read_file(default_model_id, refuse=True)
-
-    def _read_file(self, expected: str, refuse: bool) -> None:
-        self._file_checked = True
-        path = self.cache_file
-        try:
-            self._file_responses = read_cache_file(path, expected)
-            self._file_model = expected
-            logger.info(
-                "mlx-lm-suffix: loaded %d responses from %s", len(self._file_responses), path
-            )
-            return
-        except FileNotFoundError:
-            logger.info("mlx-lm-suffix: %s does not exist yet; starting with an empty cache", path)
-        except CacheFileError as e:
-            stored = _stored_model(path)
-            if stored is not None and stored != expected:
-                msg = (
-                    f"suffix cache file {path} was made for model {stored!r}, not for "
-                    f"the loaded model {expected!r}: refusing to use or overwrite it. "
-                    "Pass another --suffix-cache-file (or delete this one)."
-                )
-                if refuse:
-                    raise CacheFileRefused(msg) from e
-                logger.error("mlx-lm-suffix: %s", msg)
-                self._file_disabled = True
-                return
-            logger.warning(
-                "mlx-lm-suffix: %s; starting with an empty suffix cache (the file "
-                "will be overwritten)",
-                e,
-            )
-        self._file_model = expected
-
-    def _attach_file(self, entry: ModelEntry) -> None:
-        """Warm the drafter of the model the cache file belongs to."""
-        if not self.cache_file or self._file_disabled or self._persisted is not None:
-            return
-        if not self._file_checked:
-            # No --model: the first model loaded claims the file.
-            self._read_file(entry.model_id, refuse=False)
-            if self._file_disabled:
-                return
-        if entry.model_id != self._file_model or entry.drafter is None:
-            return
-        n = entry.drafter.add_responses(self._file_responses)
-        self._file_responses = []
-        entry.persisted = True
-        self._persisted = entry
-        self._saved_signature = self._signature(entry.drafter)
-        if n:
-            logger.info("mlx-lm-suffix: warmed the suffix cache with %d responses", n)
-
-    @staticmethod
-    def _signature(drafter: SuffixDrafter) -> Tuple[int, int, int]:
-        return (
-            drafter.stats.requests - drafter.active_requests,
-            drafter.cached_requests,
-            drafter.cached_tokens,
-        )
-
-    def save(self, force: bool = False) -> bool:
-        """Save the persisted drafter's cache if it changed. Thread-safe."""
-        with self._save_lock:
-            entry = self._persisted
-            if entry is None or entry.drafter is None:
-                return False
-            sig = self._signature(entry.drafter)
-            if not force and sig == self._saved_signature:
-                return False
-            try:
-                save_cache_file(entry.drafter, self.cache_file, entry.model_id)
-            except OSError as e:
-                logger.error("mlx-lm-suffix: could not save %s: %s", self.cache_file, e)
-                return False
-            self._saved_signature = sig
-            return True
-
-    def _save_loop(self) -> None:
-        while not self._stop_saver.wait(SAVE_INTERVAL_S):
-            try:
-                self.save()
-            except Exception:  # never let the saver die silently mid-run
-                logger.exception("mlx-lm-suffix: saving the suffix cache failed")
+    def save(self) -> None:
+        """Save the cache file, if any, where it changed."""
+        if self.cache_file is not None:
+            self.cache_file.save()
 
     @contextlib.contextmanager
     def lifetime(self) -> Iterator[None]:
-        """Around the server's ``run``: background saver, SIGTERM handler
-        (save, then stop the server as Ctrl-C does) and a final save."""
-        if self.cache_file:
-            self._saver = threading.Thread(
-                target=self._save_loop, name="mlx-lm-suffix-saver", daemon=True
-            )
-            self._saver.start()
-        previous = None
-        in_main = threading.current_thread() is threading.main_thread()
-        if in_main:
-            interrupted = []
-
-            def on_sigterm(signum, frame):
-                self.save()
-                if not interrupted:
-                    interrupted.append(signum)
-                    raise KeyboardInterrupt
-
-            previous = signal.signal(signal.SIGTERM, on_sigterm)
-        try:
-            yield
-        except KeyboardInterrupt:
-            pass
-        finally:
-            if in_main:
-                signal.signal(signal.SIGTERM, previous)
-            self._stop_saver.set()
-            if self._saver is not None:
-                self._saver.join()
-            self.save()
-            global _shutdown_done
-            _shutdown_done = True
+        """Around the server's ``run``: the cache file saved while it runs and
+        after (:meth:`CacheFile.saving`), SIGTERM handled as Ctrl-C after a
+        save, and :func:`exit_after_shutdown` armed once it returns."""
+        global _shutdown_done
+        saving = self.cache_file.saving() if self.cache_file else contextlib.nullcontext()
+        with saving, _sigterm_as_ctrl_c(self.save):
+            try:
+                yield
+            except KeyboardInterrupt:
+                pass
+        _shutdown_done = True
 
     def abandon_batches(self) -> None:
         """Stop the drafter requests of every batch generator (after the
@@ -384,6 +172,7 @@ class SuffixServing:
 
     # ------------------------------------------------------------- stats
     def stats_payload(self) -> Dict[str, Any]:
+        """The body of ``GET /v1/suffix/stats``."""
         keys = ("drafted", "accepted", "tokens", "steps", "requests")
         totals = dict.fromkeys(keys, 0)
         totals.update(active_requests=0, cached_requests=0, cached_tokens=0)
@@ -399,7 +188,7 @@ class SuffixServing:
                 for k in totals:
                     totals[k] += snap[k]
             m["batch"] = e.batch_stats.as_dict()
-            m["cache_file"] = self.cache_file if e.persisted else None
+            m["cache_file"] = self.cache_file.path if e.persisted else None
             batch.merge(e.batch_stats)
             models.append(m)
         return {
@@ -408,13 +197,35 @@ class SuffixServing:
             "num_draft_tokens": self.num_draft_tokens,
             "policy": getattr(self.cli_args, "suffix_policy", None),
             "scope": self.scope,
-            "cache_file": self.cache_file,
+            "cache_file": self.cache_file.path if self.cache_file else None,
             **totals,
             "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0,
             "tokens_per_step": totals["tokens"] / totals["steps"] if totals["steps"] else 0.0,
             "batch": batch.as_dict(),
             "models": models,
         }
+
+
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c(before: Callable[[], None]) -> Iterator[None]:
+    """In the main thread, SIGTERM calls ``before`` and then stops the
+    server as Ctrl-C does (KeyboardInterrupt); a second one only ``before``."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    interrupted = []
+
+    def on_sigterm(signum, frame):
+        before()
+        if not interrupted:
+            interrupted.append(signum)
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 _state_lock = threading.Lock()
@@ -466,19 +277,11 @@ def state_for(cli_args: Any) -> Optional[SuffixServing]:
 def prepare_run(state: SuffixServing) -> None:
     """Start-up work in the main thread: check the cache file against the
     default model. Exits the process when the file is for another model."""
-    cli = state.cli_args
-    if not state.cache_file or not getattr(cli, "model", None):
+    model = getattr(state.cli_args, "model", None)
+    if state.cache_file is None or not model:
         return
     try:
-        from mlx_lm.utils import load_tokenizer
-
-        tokenizer = load_tokenizer(cli.model)
-        mid = model_id(cli.model, tokenizer)
-    except Exception as e:  # resolved later, when the model loads
-        logger.info("mlx-lm-suffix: cache file check deferred to model load (%s)", e)
-        return
-    try:
-        state.check_cache_file(mid)
+        state.cache_file.check_at_start(model)
     except CacheFileRefused as e:
         logger.error("mlx-lm-suffix: %s", e)
         raise SystemExit(2) from None
@@ -545,7 +348,12 @@ def request_info(handler: Any) -> Optional[RequestInfo]:
     scope = scope_key(handler.body, handler.headers) if state.scope == "user" else None
     handler.requested_draft_model = "default_model"
     drafting = draft is not None and n > 0
-    return RequestInfo(drafting=drafting, num_draft_tokens=n if drafting else 0, scope=scope)
+    return RequestInfo(
+        drafting=drafting,
+        num_draft_tokens=n if drafting else 0,
+        scope=scope,
+        usage=RequestUsage(),
+    )
 
 
 def attach_request_info(request: Any, info: Optional[RequestInfo]) -> None:
@@ -590,6 +398,8 @@ def _take_admission() -> Tuple[Optional[RequestInfo], Optional[List[int]]]:
 
 def batch_row_options(segments: Sequence[Sequence[int]], all_tokens: Sequence[int]) -> RowOptions:
     """Drafting options of a sequence the server inserts into its batch."""
+    from ..batch import RowOptions
+
     info, prompt = _take_admission()
     full = list(all_tokens) + [t for s in segments for t in s]
     if info is None or prompt != full:
@@ -609,6 +419,8 @@ def make_batch_generator(stock_cls: Callable[..., Any], model: Any, **kwargs: An
     entry = _entry_for_model(model)
     if entry is None or entry.drafter is None:
         return stock_cls(model, **kwargs)
+    from ..batch import SuffixBatchGenerator
+
     generator = SuffixBatchGenerator(
         model,
         entry.drafter,
@@ -624,13 +436,12 @@ def _entry_for_model(model: Any) -> Optional[ModelEntry]:
     return getattr(model, _MODEL_ATTR, None)
 
 
-def on_model_loaded(provider: Any, model_path: str, adapter_path: Any) -> None:
+def on_model_loaded(provider: Any, model_path: str) -> None:
+    """``provider`` (a ``ModelProvider``) loaded the model at ``model_path``."""
     state = state_for(provider.cli_args)
     if state is None or provider.model is None:
         return
-    state.on_model_loaded(
-        model_path, adapter_path, provider.model, provider.tokenizer, provider.model_key
-    )
+    state.on_model_loaded(model_path, provider.model, provider.tokenizer, provider.model_key)
 
 
 def single_stream_generate(
@@ -676,12 +487,12 @@ def single_stream_generate(
 def _count_usage(gen: Iterator[Any], drafter: SuffixDrafter, usage: RequestUsage):
     # The server serves single requests one at a time: the drafter's
     # counters move for this request only.
-    drafted0, steps0 = drafter.stats.drafted, drafter.stats.steps
+    before = drafter.stats.copy()
     try:
         for response in gen:
+            moved = drafter.stats.delta(before)
             usage.accepted += bool(response.from_draft)
-            usage.drafted = drafter.stats.drafted - drafted0
-            usage.steps = drafter.stats.steps - steps0
+            usage.drafted, usage.steps = moved.drafted, moved.steps
             yield response
     finally:
         close = getattr(gen, "close", None)
@@ -707,36 +518,35 @@ def note_request_taken(generator: Any, item: Any) -> None:
         _in_flight(generator).add(item[0])
 
 
-def run_generation(generator: Any, stock_run: Callable[[Any], None]) -> None:
-    """The generation thread of a suffix server.
+def generate_restarting(generator: Any, stock_generate: Callable[[Any], None]) -> None:
+    """The generation loop (``ResponseGenerator._generate``) of a suffix server.
 
-    Stock ``_run_generate`` lets any exception of the generation loop (e.g.
-    in a batched forward) end the thread: every later request then fails
-    with "generation thread died", and the requests in flight wait for it to
+    Stock ``_run_generate`` runs the loop once: any exception of it (e.g. in
+    a batched forward) ends the thread, every later request then fails with
+    "generation thread died", and the requests in flight wait for it to
     notice. Here the requests in flight get the error, the drafter requests
-    of the abandoned batch are stopped, and the loop starts again (it keeps
-    the loaded model and prompt cache). A loop that fails before taking any
-    request (e.g. the model does not load) ends as in stock.
+    of the abandoned batch are stopped, and the loop runs again (it keeps the
+    loaded model and prompt cache). A loop that fails before taking any
+    request (e.g. the model does not load), or once the server is stopping,
+    raises to stock ``_run_generate``, which ends the thread.
     """
     state = state_for(generator.cli_args)
     if state is None:
-        return stock_run(generator)
+        return stock_generate(generator)
     queues = _in_flight(generator)
     while True:
         queues.clear()  # (finished requests' queues are gone or drained)
         try:
-            generator._generate()
-            return
+            return stock_generate(generator)
         except Exception as e:
-            logger.exception("mlx-lm-suffix: the generation loop failed: %s", e)
             taken = list(queues)
             error = RuntimeError(f"generation failed: {type(e).__name__}: {e}")
             for q in taken:
                 q.put(error)  # extra items in finished requests' queues are never read
             state.abandon_batches()
             if generator._stop or not taken:
-                generator._generation_failed = True
-                return
+                raise
+            logger.exception("mlx-lm-suffix: the generation loop failed: %s", e)
             logger.warning(
                 "mlx-lm-suffix: failed %d request(s) in flight; generation restarted",
                 len(taken),

@@ -1,0 +1,154 @@
+"""What mlx_lm_suffix relies on in mlx-lm is checked before patching; an
+mlx-lm that lacks any of it stays stock, with one warning, and refuses suffix
+drafting in one line."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx_lm  # noqa: F401  (first: mlx_lm_suffix.policy imports mlx_lm)
+import mlx_lm.server as server
+import pytest
+
+from mlx_lm_suffix.patches import compat
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_server import Server, _messages  # noqa: E402
+
+LAUNCHER = [sys.executable, str(Path(__file__).with_name("incompatible_mlx_lm.py"))]
+# What the launcher changed, as compat.missing() names it.
+CHANGED = "mlx_lm.server.ResponseGenerator._tokenize(self, tokenizer, request, args)"
+# mlx_lm_suffix imported by the scripts, not by the .pth at start-up.
+NO_AUTOLOAD = {"MLX_LM_SUFFIX_AUTOLOAD": "0"}
+
+
+def test_this_mlx_lm_has_everything():
+    assert compat.missing() == []  # (checked through the patches' wrappers)
+
+
+def test_missing_names_what_changed(monkeypatch):
+    monkeypatch.delattr(server.ResponseGenerator, "_next_request")
+    monkeypatch.setattr(server.APIHandler, "do_GET", lambda self, path: None)
+    monkeypatch.setitem(compat.LOOKUPS, "mlx_lm.server:main", ("argparse", "serve"))
+    monkeypatch.setitem(
+        compat.ATTRIBUTES, "mlx_lm.generate:GenerationBatch.__init__", ("_matchers", "_gone")
+    )
+    assert compat.missing() == [
+        "mlx_lm.server.ResponseGenerator._next_request",
+        "mlx_lm.server.APIHandler.do_GET(self) (found (self, path))",
+        "mlx_lm.server.main looking up serve",
+        "mlx_lm.generate.GenerationBatch.__init__ setting _gone",
+    ]
+
+
+def _run(*args):
+    return subprocess.run(
+        [*LAUNCHER, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, **NO_AUTOLOAD),
+    )
+
+
+def _one_warning(stderr):
+    lines = [line for line in stderr.splitlines() if "mlx-lm-suffix supports" in line]
+    assert len(lines) == 1, stderr
+    assert "supports mlx-lm 0.32.2; mlx-lm 0.32.2 lacks " + CHANGED in lines[0]
+    assert lines[0].endswith("mlx-lm runs stock, without suffix decoding.")
+
+
+def _one_line_refusal(out, what):
+    """The process exits 2 with the warning and one error line naming
+    ``what`` and the supported versions, not a traceback."""
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    _one_warning(out.stderr)
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, out.stderr
+    assert f"{what} needs mlx-lm 0.32.2" in errors[0] and CHANGED in errors[0]
+
+
+def test_incompatible_generate_stays_stock(tiny_model_path):
+    prompt = ("--prompt", "one two three one two", "--max-tokens", "8", "--ignore-chat-template")
+    stock = subprocess.run(
+        [sys.executable, "-m", "mlx_lm", "generate", "--model", tiny_model_path, *prompt],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, **NO_AUTOLOAD),
+    )
+    assert stock.returncode == 0, stock.stderr
+    out = _run("generate", "--model", tiny_model_path, *prompt)
+    assert out.returncode == 0, out.stderr
+    stock_text = stock.stdout.split("=" * 10)[1]
+    assert out.stdout.split("=" * 10)[1] == stock_text
+    _one_warning(out.stderr)
+    _one_line_refusal(
+        _run("generate", "--model", tiny_model_path, "--suffix-draft"), "--suffix-draft"
+    )
+    # The Python API: stock generation, and one-line errors for suffix drafting.
+    out = _run("api", tiny_model_path)
+    assert out.returncode == 0, out.stderr
+    text, drafter, suffix = out.stdout.splitlines()[-3:]
+    assert text and text in stock_text
+    assert drafter.startswith("IncompatibleMlxLm: mlx-lm-suffix: a SuffixDrafter as")
+    assert suffix.startswith("IncompatibleMlxLm: mlx-lm-suffix: draft_model='suffix' needs")
+    assert CHANGED in drafter and CHANGED in suffix
+
+
+def test_incompatible_server_stays_stock(tiny_model_path, tmp_path):
+    server = Server(
+        tiny_model_path,
+        log_dir=tmp_path,
+        name="incompatible",
+        launcher=[*LAUNCHER, "server"],
+        env=NO_AUTOLOAD,
+    )
+    try:
+        status, reply = server.post(
+            "/v1/chat/completions",
+            {"messages": _messages("one two three"), "max_tokens": 8, "temperature": 0},
+        )
+        assert status == 200 and reply["choices"][0]["message"]["content"]
+        assert "draft_tokens" not in reply["usage"]
+        with pytest.raises(Exception, match="404"):
+            server.get("/v1/suffix/stats")  # stock: Not Found
+        _one_warning(server.log())
+    finally:
+        server.stop()
+    for args, what in (
+        (["--draft", "suffix"], "--draft suffix"),
+        (["--suffix-policy", "fixed"], "--suffix-policy"),
+    ):
+        _one_line_refusal(_run("server", "--model", tiny_model_path, *args), what)
+
+
+def test_failing_patch_leaves_everything_stock():
+    """A patch that raises while it is built: the import succeeds, one
+    warning, and nothing is patched (mlx_lm.generate's patch built fine)."""
+    code = (
+        "import sys\n"
+        "import mlx_lm_suffix.patches.server as server\n"
+        "def boom(module): raise RuntimeError('boom')\n"
+        "server.patch = boom\n"
+        "import mlx_lm, mlx_lm.server\n"
+        "g = sys.modules['mlx_lm.generate']\n"
+        "print([hasattr(f, '__wrapped__') for f in (mlx_lm.stream_generate, g.stream_generate,"
+        " g.setup_arg_parser, mlx_lm.server.main, mlx_lm.server.ResponseGenerator._tokenize)])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, **NO_AUTOLOAD),
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str([False] * 5)
+    warnings = [line for line in out.stderr.splitlines() if "mlx-lm-suffix" in line]
+    assert warnings == [
+        "mlx-lm-suffix: patching mlx-lm failed (RuntimeError: boom); mlx-lm runs stock, "
+        "without suffix decoding."
+    ], out.stderr
