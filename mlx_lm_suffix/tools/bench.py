@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..drafter import Draft, SuffixDrafter
-from ..serving import STATS_PATH
+from ..patches.serving import STATS_PATH
 from .launcher import ServerProcess
 from .workloads import read_jsonl, read_workload
 

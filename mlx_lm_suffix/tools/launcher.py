@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from ..serving import STATS_PATH
+from ..patches.serving import STATS_PATH
 
 HOST = "127.0.0.1"
 #: The stock server's module (patched by the startup hook as usual).

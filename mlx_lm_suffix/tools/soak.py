@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..serving import STATS_PATH
+from ..patches.serving import STATS_PATH
 from .launcher import HOST, ServerProcess
 
 __all__ = ["run_soak"]
