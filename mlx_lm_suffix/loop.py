@@ -191,6 +191,7 @@ def suffix_generate_step(
             else:
                 progress(0, total)
             pending = forward(prompt[-1:])
+            fed(prompt[-1:])
             mx.async_eval(*pending)
             settled = False
             plain_tic = None  # when a plain step that nothing overlaps started

@@ -486,3 +486,25 @@ def test_package_exports():
     assert mlx_lm_suffix.SuffixDrafter is SuffixDrafter
     with pytest.raises(AttributeError):
         mlx_lm_suffix.nope  # noqa: B018
+
+
+def test_logits_processors_see_the_whole_context(model_and_tokenizer):
+    """Each logits processor call gets the prompt plus every token before the
+    position it scores, as stock generate_step gives it (a processor that
+    reads the context, like the bench's scripted one, depends on it)."""
+    model, tokenizer = model_and_tokenizer
+    prompt = _prompts(tokenizer, 2)[1]
+    seen = []
+
+    def record(tokens, logits):
+        seen.append(tokens.tolist())
+        return logits
+
+    drafter = SuffixDrafter(policy="fixed")
+    _suffix(model, prompt, drafter, max_tokens=24)  # the repeat drafts from it
+    seen.clear()
+    out, drafted = _suffix(model, prompt, drafter, max_tokens=24, logits_processors=[record])
+    assert drafted > 0
+    full = prompt + out
+    assert seen and all(len(s) >= len(prompt) and s == full[: len(s)] for s in seen)
+    assert {len(s) for s in seen} >= set(range(len(prompt), len(full)))
