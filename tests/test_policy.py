@@ -34,7 +34,9 @@ CPU = VerifyCost({1: 118, 2: 119, 4: 146, 8: 158, 16: 194, 32: 281})  # notes.md
 def test_cost_interpolation_and_extrapolation():
     assert CPU(1) == 118 and CPU(16) == 194
     assert CPU(12) == pytest.approx((158 + 194) / 2)
-    assert CPU(64) == 2 * CPU(32)  # past the last point: proportional
+    # Past the last point: as the last segment grows, at most proportionally.
+    assert CPU(64) == pytest.approx(281 + (281 - 194) * 2)
+    assert VerifyCost({1: 1.0, 2: 2.0})(8) == 8.0
     assert CPU(0) == 118
     with pytest.raises(ValueError):
         VerifyCost({4: 1.0})
@@ -53,15 +55,17 @@ def test_cost_curve_stays_physical_under_noise():
 
 
 def test_cost_curve_learns_sizes_past_its_points():
-    # Batched verification feeds more tokens than calibration measured: past
-    # the last point the curve grows proportionally until real steps add a
-    # point (at the next power of two) from their own time.
-    c = VerifyCost({1: 1.0, 64: 4.0})
-    assert c(128) == 8.0
-    c.observe(100, 5.0)
-    assert c.points[128] == pytest.approx(6.4) and c(256) == pytest.approx(12.8)
-    c.observe(120, 12.0)  # refined like any point, within the proportional bound
-    assert 6.4 < c.points[128] <= 8.0
+    # The probe at first use times two sizes: past the last point the curve
+    # grows as the last segment does, and a step with no point within a
+    # factor of two becomes a point of its own.
+    c = VerifyCost({1: 1.0, 8: 1.4})
+    assert c(64) == pytest.approx(1.4 + 0.4 / 7 * 56)
+    c.observe(64, 3.0)
+    assert c.points[64] == 3.0 and c(128) == pytest.approx(3.0 + 1.6 / 56 * 64)
+    c.observe(100, 6.0)  # refines 64 (within a factor of two)
+    assert 3.0 < c.points[64] and 100 not in c.points
+    c.observe(3, 1.1)
+    assert c.points[3] == 1.1
     known = VerifyCost({1: 1.0, 64: 4.0}, smoothing=0)
     known.observe(100, 5.0)
     assert known.points == {1: 1.0, 64: 4.0}

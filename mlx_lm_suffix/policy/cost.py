@@ -9,7 +9,9 @@ from typing import Dict, List, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: The forwards timed when a model is first used (a probe of a few plain
+#: steps' time); the curve grows from the steps generation takes.
+CALIBRATION_SIZES = (1, 8)
 
 
 class VerifyCost:
@@ -59,9 +61,14 @@ class VerifyCost:
         if i < len(sizes) and sizes[i] == n:
             return pts[n]
         if i == len(sizes):
-            # Past the largest point, growth is at most proportional; assume
-            # it (a forward that large is compute-bound on most machines).
-            return pts[sizes[-1]] * n / sizes[-1]
+            # Past the largest point, as the last segment grows, and at most
+            # proportionally (until a step that large is seen).
+            last = sizes[-1]
+            prop = pts[last] * n / last
+            if len(sizes) == 1:
+                return prop
+            prev = sizes[-2]
+            return min(prop, pts[last] + (pts[last] - pts[prev]) * (n - last) / (last - prev))
         lo, hi = sizes[i - 1], sizes[i]
         return pts[lo] + (pts[hi] - pts[lo]) * (n - lo) / (hi - lo)
 
@@ -95,9 +102,9 @@ class VerifyCost:
 
     def observe(self, n: int, seconds: float, rows: int = 1) -> None:
         """Learn from a real step's time: for one sequence, refine the
-        nearest measured point (a step larger than any point adds one at the
-        next power of two, from its own time); for a batch, the factor of
-        its shape (the mean of its first steps, then a moving average)."""
+        nearest point within a factor of two of ``n`` (with none, the step
+        becomes a point of its own); for a batch, the factor of its shape
+        (the mean of its first steps, then a moving average)."""
         if not self.smoothing:
             return
         if rows > 1:
@@ -106,15 +113,11 @@ class VerifyCost:
             factor[1] += 1
             factor[0] = self._average(factor[0], factor[1], seconds / self.batch_prior(n, rows))
             return
-        if n > self._sizes[-1]:
-            size = 1 << (n - 1).bit_length()
-            if size not in self.points:
-                self.points[size] = seconds * size / n
-                self._sizes = sorted(self.points)
-                self._envelope()
-                return
         near = min(self._sizes, key=lambda s: abs(s - n))
         if near != n and not (near / 2 <= n <= near * 2):
+            self.points[n] = seconds
+            self._sizes = sorted(self.points)
+            self._envelope()
             return
         scaled = seconds * self.points[near] / max(self(n), 1e-12)
         self.points[near] += self.smoothing * (scaled - self.points[near])
@@ -157,8 +160,8 @@ class VerifyCost:
         cls,
         model: nn.Module,
         sizes: Sequence[int] = CALIBRATION_SIZES,
-        context: int = 128,
-        repeats: int = 2,
+        context: int = 32,
+        repeats: int = 1,
         min_seconds: float = 0.05,
     ) -> "VerifyCost":
         """Time forwards of ``sizes`` tokens after a ``context``-token prefix
