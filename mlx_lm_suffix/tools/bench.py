@@ -441,7 +441,7 @@ def run_inprocess_arms(
     for a, drafter in drafters.items():
         if drafter is None:
             continue
-        drafter.ensure_cost(model)  # the cost calibration stays out of the timings
+        drafter.policy.ensure_cost(model)  # the cost calibration stays out of the timings
         if a.startswith("suffix-warm"):  # replay once, untimed
             for req in requests:
                 generate_one(model, tokenizer, req, max_tokens, drafter, scripted, eos_id)
