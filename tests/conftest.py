@@ -27,3 +27,12 @@ def tiny_llama_path(models_dir) -> Path:
     from mlx_lm_suffix.tools.models import ensure_model
 
     return ensure_model("llama", "tiny", cache_dir=models_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_family_path(models_dir):
+    """``family -> path``: the tiny random-weight model of any family in
+    ``mlx_lm_suffix.tools.models.FAMILIES``, built on first use."""
+    from mlx_lm_suffix.tools.models import ensure_model
+
+    return lambda family: ensure_model(family, "tiny", cache_dir=models_dir)

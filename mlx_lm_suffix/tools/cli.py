@@ -22,6 +22,7 @@ from ..drafter import (
     DEFAULT_MAX_TREE_DEPTH,
     DEFAULT_NUM_DRAFT_TOKENS,
 )
+from .models import FAMILIES
 
 
 def _list_of(kind: Callable[[str], Any]) -> Callable[..., List[Any]]:
@@ -219,9 +220,24 @@ def parity_command(
 @click.option(
     "--model",
     default=None,
-    help="Model path or Hugging Face id. Default: the local random-weight model of --size.",
+    help="Model path or Hugging Face id. Default: the local random-weight model of --family and --size.",
 )
-@click.option("--size", type=click.Choice(["tiny", "small", "bench"]), default="bench", show_default=True)
+@click.option(
+    "--family",
+    type=click.Choice(FAMILIES),
+    default="qwen3",
+    show_default=True,
+    help="Architecture of the local random-weight model (ignored with --model): "
+    "qwen3/llama have only KV caches; the others have sliding windows or "
+    "recurrent layers, which roll back by restoring and replaying.",
+)
+@click.option(
+    "--size",
+    type=click.Choice(["tiny", "small", "bench"]),
+    default="bench",
+    show_default=True,
+    help="Size of the local random-weight model (bench: about 200M parameters).",
+)
 @click.option(
     "--workload",
     "workload_files",
@@ -283,6 +299,7 @@ def parity_command(
 @click.option("--out", "out_dir", default="bench-results", show_default=True, type=click.Path(file_okay=False))
 def bench_command(
     model: Optional[str],
+    family: str,
     size: str,
     workload_files: tuple,
     workload_names: str,
@@ -310,7 +327,7 @@ def bench_command(
     from .models import ensure_model
     from .workloads import write_workloads
 
-    model_path = model or str(ensure_model("qwen3", size))
+    model_path = model or str(ensure_model(family, size))
     if scripted is None:
         scripted = model is None or b.is_local_random_model(model_path)
     out = Path(out_dir)

@@ -16,6 +16,7 @@ Typical use::
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -24,7 +25,7 @@ import sys
 import sysconfig
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal, get_args
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -33,7 +34,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 __all__ = [
     "CACHE_VERSION",
     "CHAT_TEMPLATE",
+    "FAMILIES",
     "SIZES",
+    "SLIDING_WINDOW",
     "SPECIAL_TOKENS",
     "build_model",
     "build_tokenizer",
@@ -44,7 +47,26 @@ __all__ = [
     "model_config",
 ]
 
-Arch = Literal["qwen3", "llama"]
+#: The model families (mlx-lm modules) that can be built. qwen3 and llama
+#: keep every layer in a ``KVCache``; the others roll back otherwise (see
+#: ``mlx_lm_suffix.rollback``): sliding windows (``RotatingKVCache``:
+#: gpt_oss, gemma3_text), recurrent state (``ArraysCache``: GatedDeltaNet in
+#: qwen3_5 and qwen3_next, short convolutions in lfm2, Mamba-2 in nemotron_h
+#: and mamba2) next to attention, or both in one layer (``CacheList``:
+#: falcon_h1).
+Arch = Literal[
+    "qwen3",
+    "llama",
+    "gpt_oss",
+    "gemma3_text",
+    "qwen3_5",
+    "qwen3_next",
+    "lfm2",
+    "nemotron_h",
+    "mamba2",
+    "falcon_h1",
+]
+FAMILIES: tuple[str, ...] = get_args(Arch)
 Size = Literal["tiny", "small", "bench"]
 
 #: Bump when the build recipe changes, so stale caches are not reused.
@@ -61,18 +83,31 @@ DEFAULT_MAX_POSITION_EMBEDDINGS = 32768
 # Characters of standard-library source used to train the tokenizer.
 _CORPUS_BUDGET = 2_000_000
 # Matrices are drawn from N(0, std) with std = gain / sqrt(hidden_size). The
-# gains were picked by hand (greedy decoding from a few prompts) so output is
-# repetitive but not constant: a smaller gain gives one-token loops, a larger
-# one near-uniform noise. Tied embeddings (qwen3) favour repeating the last
-# token so need more gain; deeper models (bench) mix more so need less.
-_INIT_GAIN = {
-    ("qwen3", "tiny"): 0.8,
-    ("qwen3", "small"): 0.8,
-    ("qwen3", "bench"): 0.7,
-    ("llama", "tiny"): 0.6,
-    ("llama", "small"): 0.6,
-    ("llama", "bench"): 0.7,
+# gains, per family for (tiny, small, bench), were picked by hand (greedy
+# decoding from a few prompts) so output is repetitive but not constant: a
+# smaller gain gives one-token loops, a larger one near-uniform noise. Tied
+# embeddings (qwen3) favour repeating the last token so need more gain;
+# deeper models (bench) mix more so need less. Where layers normalise their
+# own output (gated norms of GatedDeltaNet and Mamba-2, gemma3's post-norms)
+# the gain mostly scales the logits: qwen3_next and nemotron_h repeat only at
+# very small gains, gemma3_text at none. The new families' bench gains are
+# not tuned (the bench scripts its outputs).
+_INIT_GAIN: dict[str, tuple[float, float, float]] = {
+    "qwen3": (0.8, 0.8, 0.7),
+    "llama": (0.6, 0.6, 0.7),
+    "gpt_oss": (0.8, 0.8, 0.7),
+    "gemma3_text": (0.8, 0.8, 0.7),
+    "qwen3_5": (0.55, 0.55, 0.5),
+    "qwen3_next": (0.05, 0.05, 0.05),
+    "lfm2": (0.8, 0.8, 0.7),
+    "nemotron_h": (0.05, 0.05, 0.05),
+    "mamba2": (0.2, 0.2, 0.2),
+    "falcon_h1": (0.8, 0.8, 0.7),
 }
+
+#: Sliding window (tokens) of gpt_oss and gemma3_text per size: small, so
+#: that test prompts and drafts overflow it.
+SLIDING_WINDOW = {"tiny": 16, "small": 32, "bench": 128}
 
 #: Shape of each model size (vocab size comes from the tokenizer).
 SIZES: dict[str, dict[str, int]] = {
@@ -243,7 +278,232 @@ def get_tokenizer(
 
 def _init_std(arch: str, size: str) -> float:
     """Standard deviation of the random init of every weight matrix."""
-    return round(_INIT_GAIN[arch, size] / math.sqrt(SIZES[size]["hidden_size"]), 6)
+    gain = _INIT_GAIN[arch][list(SIZES).index(size)]
+    return round(gain / math.sqrt(SIZES[size]["hidden_size"]), 6)
+
+
+def _every(n: int, period: int, hit: Any, other: Any) -> list[Any]:
+    """``n`` layer types: ``hit`` for every ``period``-th layer, else ``other``."""
+    return [hit if (i + 1) % period == 0 else other for i in range(n)]
+
+
+# Each recipe maps (size, shape) to the family's own config.json fields (the
+# shape keys of SIZES are common to all; a family ignores those it lacks).
+# Layer layouts keep the real models' ratios where the depth allows; tiny
+# models keep one layer of each kind.
+
+
+def _qwen3(size: str, s: dict[str, int]) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
+
+
+def _llama(size: str, s: dict[str, int]) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_traditional": False,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "mlp_bias": False,
+    }
+
+
+def _gpt_oss(size: str, s: dict[str, int]) -> dict[str, Any]:
+    n = s["num_hidden_layers"]
+    return {
+        "architectures": ["GptOssForCausalLM"],
+        # 4 experts of a quarter of the dense MLP: its parameters, half active.
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": s["intermediate_size"] // 4,
+        "layer_types": _every(n, 2, "full_attention", "sliding_attention"),
+        "sliding_window": SLIDING_WINDOW[size],
+        "attention_bias": True,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+    }
+
+
+def _gemma3_text(size: str, s: dict[str, int]) -> dict[str, Any]:
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        # Five sliding layers to one global one (fewer in shallow models).
+        "sliding_window_pattern": min(6, s["num_hidden_layers"]),
+        "sliding_window": SLIDING_WINDOW[size],
+        "query_pre_attn_scalar": s["head_dim"],
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "rope_local_base_freq": 10000.0,
+    }
+
+
+def _gated_delta(s: dict[str, int]) -> dict[str, Any]:
+    """GatedDeltaNet layers (qwen3_5, qwen3_next): 3 to 1 full attention."""
+    return {
+        "full_attention_interval": min(4, s["num_hidden_layers"]),
+        "linear_num_key_heads": s["num_attention_heads"] // 2,
+        "linear_num_value_heads": s["num_attention_heads"],
+        "linear_key_head_dim": s["head_dim"],
+        "linear_value_head_dim": s["head_dim"],
+        "linear_conv_kernel_dim": 4,
+        "rms_norm_eps": 1e-6,
+    }
+
+
+def _qwen3_5(size: str, s: dict[str, int]) -> dict[str, Any]:
+    return {
+        **_gated_delta(s),
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "rope_parameters": {
+            "type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        "tie_word_embeddings": True,
+    }
+
+
+def _qwen3_next(size: str, s: dict[str, int]) -> dict[str, Any]:
+    quarter = s["intermediate_size"] // 4
+    return {
+        **_gated_delta(s),
+        "architectures": ["Qwen3NextForCausalLM"],
+        # Sparse MoE in every layer: 4 routed experts (2 active) and a shared one.
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": quarter,
+        "shared_expert_intermediate_size": quarter,
+        "norm_topk_prob": True,
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 10000000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+    }
+
+
+def _lfm2(size: str, s: dict[str, int]) -> dict[str, Any]:
+    n = s["num_hidden_layers"]
+    return {
+        "architectures": ["Lfm2ForCausalLM"],
+        # Short gated convolutions, one layer in three full attention.
+        "layer_types": _every(n, min(3, n), "full_attention", "conv"),
+        "conv_L_cache": 3,
+        "conv_bias": False,
+        "block_dim": s["hidden_size"],
+        "block_ff_dim": s["intermediate_size"],
+        "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    }
+
+
+def _mamba2_mixer(s: dict[str, int], expand: int) -> dict[str, Any]:
+    """Mamba-2 mixer shape: ``expand`` * hidden channels in heads of head_dim."""
+    return {
+        "head_dim": s["head_dim"],
+        "state_size": s["head_dim"],
+        "n_groups": 1,
+        "conv_kernel": 4,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "layer_norm_epsilon": 1e-5,
+        "num_heads": expand * s["hidden_size"] // s["head_dim"],
+    }
+
+
+def _nemotron_h(size: str, s: dict[str, int]) -> dict[str, Any]:
+    n = s["num_hidden_layers"]
+    mixer = _mamba2_mixer(s, 1)
+    # A layer is two blocks, a mixer (Mamba-2, or attention in one of four)
+    # then a squared-ReLU MLP (as wide as a SwiGLU one of the same parameters).
+    pattern = [m for t in _every(n, min(4, n), "*", "M") for m in (t, "-")]
+    return {
+        "architectures": ["NemotronHForCausalLM"],
+        "hybrid_override_pattern": pattern,
+        "num_hidden_layers": len(pattern),
+        "intermediate_size": s["intermediate_size"] * 3 // 2,
+        "mamba_num_heads": mixer["num_heads"],
+        "mamba_head_dim": mixer["head_dim"],
+        "mamba_proj_bias": False,
+        "ssm_state_size": mixer["state_size"],
+        **{k: mixer[k] for k in ("n_groups", "conv_kernel", "use_bias", "use_conv_bias")},
+        "layer_norm_epsilon": 1e-5,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+    }
+
+
+def _mamba2(size: str, s: dict[str, int]) -> dict[str, Any]:
+    return {
+        **_mamba2_mixer(s, 2),
+        "architectures": ["Mamba2ForCausalLM"],
+        # Mixers only (no MLP): twice the layers for the parameters of the others.
+        "num_hidden_layers": 2 * s["num_hidden_layers"],
+        "time_step_rank": "auto",
+        "time_step_limit": [0.0, 1000.0],
+        "tie_word_embeddings": True,
+    }
+
+
+def _falcon_h1(size: str, s: dict[str, int]) -> dict[str, Any]:
+    mixer = _mamba2_mixer(s, 1)
+    # Attention and a Mamba-2 mixer side by side in every layer (a CacheList).
+    return {
+        "architectures": ["FalconH1ForCausalLM"],
+        "mamba_d_ssm": s["hidden_size"],
+        "mamba_n_heads": mixer["num_heads"],
+        "mamba_d_head": mixer["head_dim"],
+        "mamba_d_state": mixer["state_size"],
+        "mamba_d_conv": mixer["conv_kernel"],
+        "mamba_n_groups": 1,
+        "mamba_expand": 1,
+        "mamba_conv_bias": True,
+        "mamba_proj_bias": False,
+        "mamba_rms_norm": False,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000000000.0,
+        "rope_traditional": False,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+    }
+
+
+_RECIPES: dict[str, Callable[[str, dict[str, int]], dict[str, Any]]] = {
+    "qwen3": _qwen3,
+    "llama": _llama,
+    "gpt_oss": _gpt_oss,
+    "gemma3_text": _gemma3_text,
+    "qwen3_5": _qwen3_5,
+    "qwen3_next": _qwen3_next,
+    "lfm2": _lfm2,
+    "nemotron_h": _nemotron_h,
+    "mamba2": _mamba2,
+    "falcon_h1": _falcon_h1,
+}
+assert tuple(_RECIPES) == FAMILIES == tuple(_INIT_GAIN)
+
+
+def _check_family(arch: str) -> None:
+    if arch not in _RECIPES:
+        raise ValueError(f"unknown family {arch!r}; expected one of {', '.join(FAMILIES)}")
 
 
 def model_config(
@@ -255,11 +515,14 @@ def model_config(
     max_position_embeddings: int = DEFAULT_MAX_POSITION_EMBEDDINGS,
     tie_word_embeddings: bool | None = None,
 ) -> dict[str, Any]:
-    """The ``config.json`` contents for ``arch``/``size``.
+    """The ``config.json`` contents for the family ``arch`` at ``size``.
 
     qwen3 ties input/output embeddings by default (like Qwen3-0.6B); llama
-    keeps a separate ``lm_head`` (like Llama-3-8B), so both paths get used.
+    keeps a separate ``lm_head`` (like Llama-3-8B), so both paths get used;
+    every family has its real models' default. ``tie_word_embeddings``
+    overrides it where the family reads that field.
     """
+    _check_family(arch)
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
     if dtype not in _DTYPES:
@@ -270,49 +533,23 @@ def model_config(
         "max_position_embeddings": max_position_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
-        "rope_scaling": None,
         "torch_dtype": dtype,
         "bos_token_id": None,
         # <|im_end|> ends a chat turn, <|endoftext|> ends a document.
         "eos_token_id": [SPECIAL_TOKENS.index(IM_END), SPECIAL_TOKENS.index(ENDOFTEXT)],
         "pad_token_id": SPECIAL_TOKENS.index(ENDOFTEXT),
     }
-    if arch == "qwen3":
-        tie = True if tie_word_embeddings is None else tie_word_embeddings
-        specific = {
-            "model_type": "qwen3",
-            "architectures": ["Qwen3ForCausalLM"],
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 1000000.0,
-            "tie_word_embeddings": tie,
-            "use_sliding_window": False,
-            "sliding_window": None,
-        }
-    elif arch == "llama":
-        tie = False if tie_word_embeddings is None else tie_word_embeddings
-        specific = {
-            "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 500000.0,
-            "rope_traditional": False,
-            "tie_word_embeddings": tie,
-            "mlp_bias": False,
-        }
-    else:
-        raise ValueError(f"unknown arch {arch!r}; expected 'qwen3' or 'llama'")
+    specific = {"model_type": arch, **_RECIPES[arch](size, SIZES[size])}
+    if tie_word_embeddings is not None and "tie_word_embeddings" in specific:
+        specific["tie_word_embeddings"] = tie_word_embeddings
     specific["initializer_range"] = _init_std(arch, size)
     return dict(sorted({**common, **specific}.items()))
 
 
 def _model_class(arch: str) -> tuple[type, type]:
     """The mlx-lm ``Model`` and ``ModelArgs`` classes for ``arch``."""
-    if arch == "qwen3":
-        from mlx_lm.models import qwen3 as module
-    elif arch == "llama":
-        from mlx_lm.models import llama as module
-    else:
-        raise ValueError(f"unknown arch {arch!r}; expected 'qwen3' or 'llama'")
+    _check_family(arch)
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
     return module.Model, module.ModelArgs
 
 
@@ -480,8 +717,7 @@ def ensure_model(
     rename wins, the others discard their copy). The tokenizer is cached in
     the same root.
     """
-    if arch not in ("qwen3", "llama"):
-        raise ValueError(f"unknown arch {arch!r}; expected 'qwen3' or 'llama'")
+    _check_family(arch)
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
     root = cache_root(cache_dir)
