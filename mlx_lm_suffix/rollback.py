@@ -103,7 +103,7 @@ def undo(cache: List[Any], saved: Checkpoint, fed: int, rejected: int) -> int:
         return 0
     for i, c in enumerate(layers):
         if i in saved.states and (SINGLE[type(c)] == RESTORE or not c.is_trimmable()):
-            c.state = saved.states[i]
+            c.state = _saved(saved.states[i])  # a copy: the checkpoint may serve again
         else:
             _trim(c, fed)
     return fed - rejected
@@ -201,7 +201,7 @@ def undo_rows(cache: List[Any], saved: Checkpoint, fed: int, rejected: Sequence[
         return False
     for i, c in enumerate(layers):
         if i in saved.states:
-            c.state = saved.states[i]
+            c.state = _saved(saved.states[i])  # a copy: the checkpoint may serve again
         else:
             _trim(c, fed)
     return True

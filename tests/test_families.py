@@ -9,11 +9,6 @@ after an early close, in the middle of a draft) must hold what a fresh
 prefill of prompt + yielded tokens gives; sampling must keep the model's
 distribution. Drafts use fixed lengths, so the counts do not depend on
 timings.
-
-Two known bugs are marked ``xfail(strict=True)`` (they pass once fixed):
-closing in the middle of a draft after a partial acceptance leaves a wrong
-recurrent state (``rollback.undo``), and logits processors miss the prompt's
-last token (``loop.py``).
 """
 
 from __future__ import annotations
@@ -219,7 +214,7 @@ class _Scripted(SuffixDrafter):
 
 @pytest.mark.parametrize("wrong", [None, 2], ids=["all-accepted", "2-of-4-accepted"])
 @pytest.mark.parametrize("short", [False, True], ids=["long-prompt", "short-prompt"])
-def test_close_in_the_middle_of_a_draft(family, wrong, short, request):
+def test_close_in_the_middle_of_a_draft(family, wrong, short):
     """Close the generator right after the first token of a draft whose next
     token was accepted too (so it is in the cache, never yielded): the cache
     must still be a fresh prefill of prompt + yielded tokens. The draft is
@@ -239,15 +234,10 @@ def test_close_in_the_middle_of_a_draft(family, wrong, short, request):
     # accepted; only token 4 is yielded.
     assert [f for _, f in out] == [False] * 3 + [True] and drafter.stats.accepted >= 2
     assert toks == ref[:4]
-    if wrong is not None and any(isinstance(c, ArraysCache) for c in _layers(cache)):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "rollback.undo restores an ArraysCache to the checkpoint's own list, which the "
-            "replay forward then fills in place; the close in the middle of the draft "
-            "restores that checkpoint again and gets the post-replay state")))
     _assert_cache_is_fresh_prefill(model, cache, prompt + toks, f"{name}: closed mid-draft")
 
 
-def test_logits_processors_see_stock_contexts(family, request):
+def test_logits_processors_see_stock_contexts(family):
     """Before each position, a logits processor gets the whole context, the
     prompt and the tokens before it, as from stock ``generate_step``; also
     around a verification that rolls back (2 of 4 drafted tokens accepted)."""
@@ -269,10 +259,6 @@ def test_logits_processors_see_stock_contexts(family, request):
     steps = suffix_generate_step(mx.array(prompt), model, drafter, max_tokens=10,
                                  logits_processors=[recorder(contexts)])
     assert [t for t, _, _ in steps] == ref and drafter.stats.accepted >= 2
-    request.applymarker(pytest.mark.xfail(strict=True, reason=(
-        "loop.py never adds the prompt's last token to `history` (set to prompt[:-1], "
-        "fed() is not called for the forward of prompt[-1:]): every context after the "
-        "first lacks it")))
     assert all(c[: len(prompt)] == tuple(prompt) for c in contexts), f"{name}: a context lacks prompt tokens"
     assert set(stock_contexts) <= set(contexts), name
 
