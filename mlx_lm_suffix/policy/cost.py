@@ -11,7 +11,7 @@ import mlx.nn as nn
 
 #: The forwards timed when a model is first used (a probe of a few plain
 #: steps' time); the curve grows from the steps generation takes.
-CALIBRATION_SIZES = (1, 8)
+CALIBRATION_SIZES = (1, 2, 8)
 
 
 class VerifyCost:
