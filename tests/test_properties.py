@@ -16,6 +16,7 @@ from mlx_lm.models.cache import KVCache
 
 from mlx_lm_suffix.batch import RowOptions, SuffixBatchGenerator
 from mlx_lm_suffix.drafter import Draft, SuffixDrafter
+from mlx_lm_suffix.stats import BatchDraftStats
 
 V = 50
 
@@ -93,8 +94,8 @@ prompt_st = st.lists(st.integers(0, V - 1), min_size=1, max_size=12)
 plan_st = st.lists(st.tuples(st.integers(0, 6), st.integers(0, 3)), min_size=1, max_size=6)
 
 
-def _generate(model, drafter, prompts, max_tokens, num_draft):
-    gen = SuffixBatchGenerator(model, drafter, num_draft_tokens=num_draft,
+def _generate(model, drafter, prompts, max_tokens, num_draft, stats=None):
+    gen = SuffixBatchGenerator(model, drafter, num_draft_tokens=num_draft, stats=stats,
                                completion_batch_size=len(prompts), prefill_batch_size=8)
     uids = gen.insert(prompts, max_tokens=max_tokens)
     out = {u: [] for u in uids}
@@ -123,6 +124,20 @@ def test_batched_verification_equals_stepwise_greedy(abc, prompts, plans, length
     assert got == [reference(abc, p, n) for p, n in zip(prompts, lengths)]
     assert drafter.active_requests == 0
     assert len(set(drafter.ids)) == len(drafter.ids)
+
+
+def test_planned_drafts_reach_the_batch():
+    """The planned drafts are what the batch verifies: rows accept different
+    counts (uneven rollbacks) and the output is still the greedy sequence."""
+    abc = (3, 2, 1)
+    model = CacheModel(*abc)
+    # Per row: (right, wrong) tokens drafted, by position.
+    drafter = PlannedDrafter(abc, [(5, 0), (2, 2), (0, 3), (4, 1)])
+    prompts, lengths, stats = [[1, 2], [3], [4, 5, 6], [7, 1]], [20, 17, 12, 9], BatchDraftStats()
+    got = _generate(model, drafter, prompts, lengths, 6, stats)
+    assert got == [reference(abc, p, n) for p, n in zip(prompts, lengths)]
+    assert stats.verify_steps > 0 and stats.uneven_rollbacks > 0
+    assert 0 < drafter.stats.accepted < drafter.stats.drafted
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
