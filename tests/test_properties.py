@@ -68,6 +68,7 @@ class PlannedDrafter(SuffixDrafter):
     def __init__(self, abc, plans, **kw):
         super().__init__(policy="fixed", **kw)
         self.abc, self.plans, self.seqs, self.ids = abc, plans, {}, []
+        self.planned = 0  # drafts made from the plans
 
     def start(self, prompt, scope=None):
         req = super().start(prompt, scope)
@@ -86,6 +87,7 @@ class PlannedDrafter(SuffixDrafter):
         tokens = true[:right] + [(true[right] + 1 + i) % V for i in range(wrong)]
         limit = self.num_draft_tokens if max_tokens is None else max_tokens
         tokens = tokens[:limit]
+        self.planned += bool(tokens)
         return Draft(tokens, [0.9] * len(tokens))
 
 
@@ -136,7 +138,7 @@ def test_planned_drafts_reach_the_batch():
     prompts, lengths, stats = [[1, 2], [3], [4, 5, 6], [7, 1]], [20, 17, 12, 9], BatchDraftStats()
     got = _generate(model, drafter, prompts, lengths, 6, stats)
     assert got == [reference(abc, p, n) for p, n in zip(prompts, lengths)]
-    assert stats.verify_steps > 0 and stats.uneven_rollbacks > 0
+    assert drafter.planned > 0 and stats.verify_steps > 0 and stats.uneven_rollbacks > 0
     assert 0 < drafter.stats.accepted < drafter.stats.drafted
 
 
