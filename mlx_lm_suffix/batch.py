@@ -128,7 +128,6 @@ class SuffixGenerationBatch(GenerationBatch):
         self.default_options = default_options or RowOptions()
         self.max_context = max_context
         self.draft_stats = stats if stats is not None else BatchDraftStats()
-        self._warned_rollback = False
         uids = kwargs.get("uids", args[1] if len(args) > 1 else [])
         self._req: List[Optional[int]] = [None] * len(uids)
         self._k: List[int] = [0] * len(uids)
@@ -243,11 +242,12 @@ class SuffixGenerationBatch(GenerationBatch):
         ):
             return False
         if not rollback.supports_batch(self.prompt_cache):
-            if not self._warned_rollback:
-                self._warned_rollback = True
+            # Once per model: a server makes a batch for every wave of requests.
+            if not getattr(self.model, "_mlx_lm_suffix_batch_warned", False):
+                object.__setattr__(self.model, "_mlx_lm_suffix_batch_warned", True)
                 kinds = sorted({type(c).__name__ for c in self.prompt_cache})
                 logger.warning(
-                    "mlx-lm-suffix: batched KV cache (%s) cannot roll rows back; "
+                    "mlx-lm-suffix: batched cache (%s) cannot roll rows back; "
                     "batched requests generate without drafting.",
                     ", ".join(kinds),
                 )
