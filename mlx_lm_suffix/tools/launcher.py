@@ -11,6 +11,7 @@ suffix`` server, once its suffix stats list a loaded model.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -19,10 +20,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 from ..patches.serving import STATS_PATH
 
@@ -42,10 +44,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _default_sigint() -> None:
-    # Ctrl-C must reach the server even where this process was started with
-    # SIGINT ignored (a background job of a non-interactive shell).
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+@contextlib.contextmanager
+def _sigint_not_ignored() -> Iterator[None]:
+    """Around starting a server: Ctrl-C must reach it even where this
+    process has SIGINT ignored (a background job of a non-interactive
+    shell), which a child inherits; a handled signal is reset to its
+    default by exec, so the parent handles it meanwhile. (Not a preexec_fn:
+    running Python between fork and exec can deadlock a process with other
+    threads, as MLX's.) Only the main thread can change it."""
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if not ignored or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class ServerError(RuntimeError):
@@ -89,13 +104,13 @@ class ServerProcess:
         self._log_start = self._log.tell()  # this server's part of the file
         self.command = [*command, "--model", str(model), "--host", HOST, "--port", str(self.port), *args]
         try:
-            self.proc = subprocess.Popen(
-                self.command,
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})},
-                preexec_fn=_default_sigint,
-            )
+            with _sigint_not_ignored():
+                self.proc = subprocess.Popen(
+                    self.command,
+                    stdout=self._log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, **(env or {})},
+                )
         except BaseException:
             self._log.close()
             raise
