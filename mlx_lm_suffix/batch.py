@@ -278,12 +278,12 @@ class SuffixGenerationBatch(GenerationBatch):
             drafts.append(self.drafter.propose(req, k) if req is not None and k > 1 else Draft())
         return drafts
 
-    def _cut(self, drafts: List[Draft], check: bool = False) -> List[Draft]:
-        """The drafts cut to the lengths the policy verifies after the
-        pipelined plain step (``check``: their first tokens are not checked
+    def _cut(self, drafts: List[Draft], pipelined: bool = True, check: bool = False) -> List[Draft]:
+        """The drafts cut to the lengths the policy verifies (``pipelined``:
+        after the plain step; ``check``: their first tokens are not checked
         yet)."""
         replay = rollback.replays_rows(self.prompt_cache)
-        lengths = self.drafter.policy.batch_lengths(drafts, True, check, replay)
+        lengths = self.drafter.policy.batch_lengths(drafts, pipelined, check, replay)
         return [d.truncate(n) for d, n in zip(drafts, lengths)]
 
     def next(self) -> List[GenerationBatch.Response]:
@@ -293,8 +293,7 @@ class SuffixGenerationBatch(GenerationBatch):
         self._last_check, self._check = self._check, None
         if not self._can_draft():
             return super().next()
-        policy = self.drafter.policy
-        policy.ensure_cost(self.model)  # adaptive policy: once per drafter
+        self.drafter.policy.ensure_cost(self.model)  # adaptive policy: once per drafter
         early = None
         if settled and len(self.uids) == 1:
             # Its pending token known and nothing computing: draft after that
@@ -304,10 +303,10 @@ class SuffixGenerationBatch(GenerationBatch):
             self._commit(pending)
             self._pending_committed = True
             early = self._propose(ahead=1)
-            n = policy.batch_lengths(early, False, replay=rollback.replays_rows(self.prompt_cache))[0]
-            if n > 0:
+            now = self._cut(early, pipelined=False)
+            if now[0]:
                 self._pending_committed = False
-                return self._verify(pending, [early[0].truncate(n)], confirmed=False)
+                return self._verify(pending, now, confirmed=False)
         # The stock pipelined step: emits the pending tokens and queues the
         # forward after them, which the drafting below overlaps. That
         # forward checks each draft's first token, so a draft needs 2 tokens
@@ -387,7 +386,7 @@ class SuffixGenerationBatch(GenerationBatch):
         first = 1 if confirmed else 0
         drafts = [c.tokens[first:] for c in checked]
         B, K = len(self.uids), max(len(d) for d in checked) - first
-        saved = rollback.checkpoint_rows(self.prompt_cache)
+        saved = rollback.checkpoint(self.prompt_cache)
         sampled, logprobs = self._forward(pending, drafts, K)
         targets = sampled.tolist()
         accepted = [accepted_length(d, t[: len(d) + 1]) for d, t in zip(drafts, targets)]

@@ -83,9 +83,11 @@ def _saved(state: Any) -> Any:
 
 
 def checkpoint(cache: List[Any]) -> Checkpoint:
-    """Save what :func:`undo` needs, right before a forward (no copy)."""
+    """Save what :func:`undo` or :func:`undo_rows` needs, right before a
+    forward (no copy)."""
+    kinds = {**SINGLE, **BATCH}
     return Checkpoint(
-        {i: _saved(c.state) for i, c in enumerate(_layers(cache)) if SINGLE[type(c)] != TRIM}
+        {i: _saved(c.state) for i, c in enumerate(_layers(cache)) if kinds[type(c)] != TRIM}
     )
 
 
@@ -107,13 +109,6 @@ def undo(cache: List[Any], saved: Checkpoint, fed: int, rejected: int) -> int:
         else:
             _trim(c, fed)
     return fed - rejected
-
-
-def trim(cache: List[Any], n: int) -> None:
-    """Drop the last ``n`` positions of a cache whose layers all trim (a row
-    taken out of a ``BatchKVCache``, say)."""
-    for c in _layers(cache):
-        _trim(c, n)
 
 
 def room(cache: List[Any], limit: Optional[int] = None) -> float:
@@ -168,13 +163,6 @@ def supports_batch(cache: List[Any]) -> bool:
     """Whether every layer of a batch cache can roll rows back."""
     layers = _layers(cache)
     return bool(layers) and all(type(c) in BATCH for c in layers)
-
-
-def checkpoint_rows(cache: List[Any]) -> Checkpoint:
-    """:func:`checkpoint` for a batch cache."""
-    return Checkpoint(
-        {i: _saved(c.state) for i, c in enumerate(_layers(cache)) if BATCH[type(c)] != TRIM}
-    )
 
 
 def undo_rows(cache: List[Any], saved: Checkpoint, fed: int, rejected: Sequence[int]) -> bool:
@@ -242,7 +230,5 @@ def batch_length_bound(cache: List[Any]) -> Optional[int]:
     row's length in ``offset``, an array that the queued forward's own
     update produces (reading it waits for that), and the filled length of
     the buffer in an int, ``BatchKVCache._idx``."""
-    for c in _layers(cache):
-        if type(c) is _cache.BatchKVCache:
-            return c._idx
-    return None
+    kv = kv_rows(cache)
+    return kv[0]._idx if kv else None

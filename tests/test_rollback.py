@@ -16,10 +16,11 @@ def _kv(values):
 def test_trim_single_cache():
     c = KVCache()
     c.update_and_fetch(_kv([1, 2, 3, 4, 5]), _kv([1, 2, 3, 4, 5]))
-    rollback.trim([c], 2)
+    saved = rollback.checkpoint([c])
+    assert rollback.undo([c], saved, 5, 2) == 0  # trimmed, nothing to feed again
     k, _ = c.update_and_fetch(_kv([9]), _kv([9]))
     assert k.flatten().tolist() == [1, 2, 3, 9]
-    rollback.trim([c], 0)
+    assert rollback.undo([c], rollback.checkpoint([c]), 0, 0) == 0
     assert c.offset == 4
 
 
@@ -53,7 +54,7 @@ def test_rollback_batch_matches_per_row_content(lengths, steps):
             counter += K
             new.append(toks)
         x = mx.array(new).reshape(B, 1, K, 1)
-        saved = rollback.checkpoint_rows([cache])
+        saved = rollback.checkpoint([cache])
         cache.update_and_fetch(x, x)
         assert not rollback.undo_rows([cache], saved, K, rejected)  # trimmed
         for b in range(B):

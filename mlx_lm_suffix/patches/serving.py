@@ -487,12 +487,12 @@ def single_stream_generate(
 def _count_usage(gen: Iterator[Any], drafter: SuffixDrafter, usage: RequestUsage):
     # The server serves single requests one at a time: the drafter's
     # counters move for this request only.
-    before = drafter.stats.copy()
+    drafted0, steps0 = drafter.stats.drafted, drafter.stats.steps
     try:
         for response in gen:
-            moved = drafter.stats.delta(before)
             usage.accepted += bool(response.from_draft)
-            usage.drafted, usage.steps = moved.drafted, moved.steps
+            usage.drafted = drafter.stats.drafted - drafted0
+            usage.steps = drafter.stats.steps - steps0
             yield response
     finally:
         close = getattr(gen, "close", None)
