@@ -213,7 +213,6 @@ class SuffixGenerationBatch(GenerationBatch):
                     drafted=drafted[i],
                     accepted=accepted[i],
                     draft=drafts[i] if drafts else None,
-                    req_id=req,
                 )
             else:
                 plain += 1
@@ -340,7 +339,7 @@ class SuffixGenerationBatch(GenerationBatch):
         usage = self._usage[i]
         if usage is not None:
             usage.drafted += 1
-        self.drafter.record(drafted=1, accepted=0, steps=0, draft=draft, req_id=self._req[i])
+        self.drafter.record(drafted=1, accepted=0, steps=0, draft=draft)
 
     def _process_logits(
         self, logits: mx.array, pending: List[int], drafts: List[List[int]]

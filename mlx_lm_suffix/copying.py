@@ -13,15 +13,13 @@ prompt's continuation as long as the limits allow (:class:`SuffixDrafter
 draft). This is prompt lookup (vLLM's n-gram proposer) with a memory of
 where in the prompt the output is.
 
-Where it joins:
+Where it joins, at an occurrence of the output's last :data:`NGRAM` tokens:
 
-- near where the output left (within :data:`REJOIN_SLACK` tokens plus twice
-  the tokens written since: an edit replaces about as much as it writes),
-  at the occurrence of the last :data:`NGRAM` tokens nearest to it;
-- before the output has ever copied, at the only occurrence of the last
-  :data:`NGRAM` tokens;
-- farther, at the only occurrence of the last :data:`FAR_NGRAM` tokens (a
-  short n-gram far away is often the instruction quoting the edit).
+- before the output has ever copied, at their only occurrence;
+- after, at the occurrence nearest to where the output left, if within
+  :data:`REJOIN_SLACK` tokens plus twice the tokens written since (an edit
+  replaces about as much as it writes; farther away, a short n-gram is
+  often the instruction quoting the edit).
 
 A join that the next token does not confirm leaves the place the output
 left unchanged.
@@ -30,15 +28,13 @@ left unchanged.
 from __future__ import annotations
 
 import bisect
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
+#: Output tokens that must occur in the prompt for the output to join it.
 NGRAM = 2
-FAR_NGRAM = 8
+#: How far from where the output left the prompt it may re-join (plus
+#: twice the tokens written since).
 REJOIN_SLACK = 64
-# A draft (not yet committed) re-joins the prompt only where it copies this
-# many tokens, its join's n-gram included: the trees' short drafts in text
-# that copies nothing meet the prompt's n-grams by chance.
-DRAFT_REJOIN_RUN = 2 * NGRAM
 
 
 class PromptCopy:
@@ -67,7 +63,7 @@ class PromptCopy:
         for t in tokens:
             t = int(t)
             self._tail.append(t)
-            del self._tail[:-FAR_NGRAM]
+            del self._tail[:-NGRAM]
             p = self.pointer
             if p is not None and p < len(prompt) and prompt[p] == t:
                 self.pointer, self.run = p + 1, self.run + 1
@@ -86,12 +82,7 @@ class PromptCopy:
             return after[0] if len(after) == 1 else None
         i = bisect.bisect_left(after, self._left)
         near = min(after[max(0, i - 1) : i + 1], key=lambda q: abs(q - self._left))
-        if abs(near - self._left) <= REJOIN_SLACK + 2 * self._gap:
-            return near
-        if len(self._tail) < FAR_NGRAM:
-            return None
-        hits = [q for q in after if self.prompt[max(0, q - FAR_NGRAM) : q] == self._tail]
-        return hits[0] if len(hits) == 1 else None
+        return near if abs(near - self._left) <= REJOIN_SLACK + 2 * self._gap else None
 
     def propose(self, limit: int) -> List[int]:
         """The prompt's next ``limit`` tokens after the pointer (none when the
@@ -99,18 +90,3 @@ class PromptCopy:
         if self.pointer is None or limit <= 0:
             return []
         return self.prompt[self.pointer : self.pointer + limit]
-
-    def propose_after(self, tokens: Sequence[int], limit: int) -> Tuple[List[int], int]:
-        """The prompt's next ``limit`` tokens after ``tokens``, were they
-        committed, and the run they would make: where another draft (the
-        trees') re-joins the prompt before the output does, and copies at
-        least :data:`DRAFT_REJOIN_RUN` tokens there (else none). The copy
-        itself is left as it is."""
-        state = (self.pointer, self.run, self._left, self._gap, list(self._tail))
-        try:
-            self.feed(tokens)
-            if self.run < DRAFT_REJOIN_RUN:
-                return [], self.run
-            return self.propose(limit), self.run
-        finally:
-            self.pointer, self.run, self._left, self._gap, self._tail = state

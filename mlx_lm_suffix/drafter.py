@@ -19,7 +19,7 @@ from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tupl
 from arctic_inference.suffix_decoding import SuffixDecodingCache
 
 from .copying import PromptCopy
-from .policy import LONG_MATCH, Calibration, VerifyCost
+from .policy import LONG_MATCH, VerifyCost
 from .policy.rules import Policy
 from .stats import DraftStats
 
@@ -46,9 +46,8 @@ COPY_PROB = 0.5
 @dataclass
 class Draft:
     """Draft tokens, the probability estimate for each, how many context
-    tokens its source matched, the outcome of its request's previous
-    verified draft, and its source (see
-    :data:`~mlx_lm_suffix.policy.Calibration.HISTORIES` and ``SOURCES``).
+    tokens its source matched, and its source (see
+    :data:`~mlx_lm_suffix.policy.Calibration.SOURCES`).
     A copy that extends the trees' draft also keeps how many leading tokens
     the trees drafted (``tree_len``) and from what match (``tree_match``):
     those are calibrated as the trees' draft, the rest as the copy."""
@@ -56,7 +55,6 @@ class Draft:
     tokens: List[int] = field(default_factory=list)
     probs: List[float] = field(default_factory=list)
     match_len: int = 0
-    last: str = "new"
     source: str = "tree"
     tree_len: int = 0
     tree_match: int = 0
@@ -73,8 +71,6 @@ class _Request:
     scope: Hashable
     context: List[int]
     copy: PromptCopy
-    # Outcome of the request's last verified draft (Calibration.HISTORIES).
-    last: str = "new"
 
 
 def _positive_int(name: str, value: Any, allow_zero: bool = False) -> int:
@@ -264,8 +260,7 @@ class SuffixDrafter:
         the trees' best. It is extended by the prompt's continuation where
         the output is copying the prompt (:mod:`~mlx_lm_suffix.copying`)
         and that continuation starts with the trees' draft (or the trees
-        have none), or else where the trees' draft itself would re-join the
-        prompt (the copy goes on from there). A copy's estimates are the
+        have none). A copy's estimates are the
         trees' as far as they draft, then the last of them (:data:`COPY_PROB`
         where the trees have none); its match length is the longer of the
         trees' match and the copy's run."""
@@ -275,20 +270,14 @@ class SuffixDrafter:
         with self._lock:
             req = self._active[req_id]
             tokens, probs, match = self._speculate(req_id, req, limit)
-            draft = Draft(tokens[:limit], probs[:limit], match, req.last)
-            n = len(draft)
+            draft = Draft(tokens[:limit], probs[:limit], match)
             copy, run = req.copy.propose(limit), req.copy.run
-            if n and (len(copy) <= n or copy[:n] != draft.tokens):
-                # Where the trees' draft re-joins the prompt, go on copying.
-                rest, run = req.copy.propose_after(draft.tokens, limit - n)
-                copy = draft.tokens + rest
-        # The copy starts with the trees' draft now (or there is none).
-        if len(copy) <= n:
+        n = len(draft)
+        if len(copy) <= n or copy[:n] != draft.tokens:
             return draft
         p = draft.probs[-1] if n else COPY_PROB
-        match = max(draft.match_len, run)
         probs = draft.probs + [p] * (len(copy) - n)
-        return Draft(copy, probs, match, req.last, "copy", n, draft.match_len)
+        return Draft(copy, probs, max(match, run), "copy", n, match)
 
     def _speculate(self, req_id: int, req: _Request, limit: int) -> Tuple[List[int], List[float], int]:
         """The trees' draft: tokens, estimates and match length.
@@ -348,13 +337,10 @@ class SuffixDrafter:
         accepted: int = 0,
         steps: int = 1,
         draft: Optional[Draft] = None,
-        req_id: Optional[int] = None,
     ) -> None:
         """Count target forwards and the draft tokens they verified/accepted:
         the first ``drafted`` tokens of ``draft`` (whose estimates calibrate
-        the policy), drafted for request ``req_id`` (whose next drafts are
-        calibrated by this one's outcome). (Committed tokens are counted by
-        :meth:`commit`.)"""
+        the policy). (Committed tokens are counted by :meth:`commit`.)"""
         with self._lock:
             self.stats.steps += steps
             self.stats.drafted += drafted
@@ -366,9 +352,6 @@ class SuffixDrafter:
                 self.stats.lengths[drafted] = self.stats.lengths.get(drafted, 0) + 1
                 if draft is not None:
                     self.policy.record(draft, drafted, accepted)
-                req = self._active.get(req_id)
-                if req is not None:
-                    req.last = Calibration.outcome(drafted, accepted)
 
     def _keep_response(self, req_id: int, scope: Hashable, response: List[int]) -> None:
         if req_id in self._caches[scope].cached_requests:

@@ -240,7 +240,7 @@ def suffix_generate_step(
                     fed(tok)
                     first, first_lp = nxt
                     if first.item() != draft.tokens[0]:
-                        drafter.record(drafted=1, accepted=0, draft=draft, req_id=req)
+                        drafter.record(drafted=1, accepted=0, draft=draft)
                         pending, settled = nxt, True
                         continue
                     drafter.record()  # the pipelined step that checked it
@@ -262,7 +262,7 @@ def suffix_generate_step(
                 # after a restore, the accepted tokens fed again.
                 since = replay(saved, inputs.size, k - a, kept)
                 fed(kept)
-                drafter.record(drafted=k, accepted=a, draft=draft, req_id=req)
+                drafter.record(drafted=k, accepted=a, draft=draft)
                 last_in_cache = True
                 for i in range(a):
                     drafter.commit(req, [draft.tokens[i]])

@@ -150,36 +150,28 @@ def test_probability_scale_shortens_drafts():
     assert best_length([0.1 * p for p in probs], MID) == 0
     assert expected_accepted([0.45] * 4, 4) == pytest.approx(1.8)
     c = Calibration()
-    assert c.ratio(1, "first") == c.ratio(40, "tail", 0.1) == 1.0  # nothing seen
+    assert c.ratio(1, "first") == c.ratio(40, "tail") == 1.0  # nothing seen
     for i in range(50):  # first tokens right 4 in 5, tails never
         c.update([0.5] * 4, accepted=1 if i % 5 else 0, match_len=2)
     first = _shrunk(40, 25, 40, 25)
+    tail = _shrunk(0, 120, 0, 120)
     assert c.ratio(1, "first") == pytest.approx(first)
-    assert c.ratio(1, "tail") == pytest.approx(_shrunk(0, 120, 0, 120))
-    # Match lengths not seen yet start from what their part has earned.
-    assert c.ratio(20, "first") == pytest.approx(50 / 35)
-    assert c.ratio(20, "tail", 0.1) == pytest.approx(10 / 130)
-    # Long matches (repeats) have pools of their own: short ones' distrust
-    # does not carry over, and a first token seen once after one (0.5: the
-    # request's own occurrence counts) starts out trusted.
-    assert c.ratio(90, "tail", 0.1) == 1.0
-    assert c.ratio(LONG_MATCH, "first") == c.long_first_ratio == 2.0
-    assert c.scale([0.5, 0.5], LONG_MATCH) == [1.0, 1.0]
-    assert c.ratio(LONG_MATCH - 1, "tail", 0.1) == pytest.approx(10 / 130)
+    assert c.ratio(1, "tail") == pytest.approx(tail)
+    # Match lengths not seen yet (long ones too) start from what their part
+    # has earned.
+    assert c.ratio(20, "first") == c.ratio(LONG_MATCH, "first") == pytest.approx(50 / 35)
+    assert c.ratio(20, "tail") == pytest.approx(10 / 130)
     # Flat estimates after a short match (one continuation known) are scaled
     # down after the first token too, so a pipelined tail no longer looks sure.
-    tail = _shrunk(0, 120, 0, 120)
     assert c.scale([0.5] * 3, 2) == pytest.approx([first / 2, first / 2 * tail, first / 2 * tail])
     assert best_length([0.5] * 8, MID, pipelined=True) == 8
     assert best_length(c.scale([0.5] * 8, 2), MID, pipelined=True) == 0
-    assert list(c.ratios()) == ["tree", "copy"]
-    ratios = c.ratios()["tree"]
-    assert list(ratios["first"]) == list(ratios["tail"]) == ["new", "full", "cut"]
-    assert list(ratios["first"]["full"]) == list(ratios["tail"]["cut"]) == [
+    ratios = c.ratios()
+    assert list(ratios) == ["tree", "copy"] and list(ratios["tree"]) == ["first", "tail"]
+    assert list(ratios["tree"]["first"]) == list(ratios["copy"]["tail"]) == [
         "1-2", "3-4", "5-8", "9-16", "17-32", "33-47", "48+"
     ]
-    assert list(ratios["tail"]["new"]["48+"]) == ["0-0.25", "0.25-0.5", "0.5-0.75", "0.75-1"]
-    assert ratios["first"]["new"]["1-2"] == pytest.approx(first)
+    assert ratios["tree"]["first"]["1-2"] == pytest.approx(first)
 
     # Repeats the trees rate 0.5 (their own occurrence counts) are accepted in
     # full: their first token is trusted more, up to the cap, and then they pay.
@@ -198,17 +190,15 @@ def test_probability_scale_shortens_drafts():
     assert r.ratio(9, "first") == r.max_ratio == 2.5
 
     # Estimates that fall along the draft faster than acceptance does (repeats
-    # that branch) are trusted more, band by band; the draft stays monotone.
+    # that branch) are trusted more; the draft stays monotone, each at most 1.
     b = Calibration()
     for _ in range(50):
         b.update([0.5, 0.3, 0.1], accepted=3, match_len=5)
-    assert b.ratio(5, "tail", 0.6) == pytest.approx(_shrunk(50, 30, 100, 40))
-    assert b.ratio(5, "tail", 0.2) == b.max_ratio
-    # No data in that band: the part's ratio (all tail tokens were accepted).
-    assert b.ratio(5, "tail", 0.9) == pytest.approx(110 / 50)
+    ratio = b.ratio(5, "tail")
+    assert ratio == pytest.approx(_shrunk(100, 40, 100, 40))
     first = 0.5 * _shrunk(50, 25, 50, 25)
-    assert 0.6 * _shrunk(50, 30, 100, 40) > 1  # given the first: at most 1
-    assert b.scale([0.5, 0.3, 0.1], 5) == pytest.approx([first, first, first * 0.2 * 2.5])
+    assert 0.6 * ratio > 1  # given the first: at most 1
+    assert b.scale([0.5, 0.3, 0.1], 5) == pytest.approx([first, first, first * 0.2 * ratio])
     assert best_length(b.scale([0.5, 0.3, 0.1], 5), MID, pipelined=True) == 3
 
     # Unverified drafts teach nothing; a first-token miss teaches the first part only.
@@ -217,22 +207,7 @@ def test_probability_scale_shortens_drafts():
     m.update([0.9], accepted=0, match_len=3)
     assert m.ratio(3, "first") == pytest.approx(_shrunk(0, 0.9, 0, 0.9))
     assert m.ratio(3, "tail") == 1.0
-    assert m.expected == {("first", "tree", 1, "new"): 0.9, ("first", "tree", False): 0.9}
-
-
-def test_acceptance_streaks_are_learnt_per_history():
-    # The same estimates, accepted in full after a draft accepted in full
-    # (a request repeating an earlier answer) and never after a cut one.
-    c = Calibration()
-    for _ in range(50):
-        c.update([0.5] * 4, accepted=4, match_len=20, last="full")
-        c.update([0.5] * 4, accepted=0, match_len=20, last="cut")
-    assert c.ratio(20, "first", last="full") == pytest.approx(_shrunk(50, 25, 50, 50))
-    assert c.ratio(20, "first", last="cut") == pytest.approx(_shrunk(0, 25, 50, 50))
-    assert c.ratio(20, "first", last="new") == pytest.approx(_shrunk(0, 0, 50, 50))
-    assert best_length(c.scale([0.5] * 8, 20, "full"), MID) == 8
-    assert best_length(c.scale([0.5] * 8, 20, "cut"), MID) == 0
-    assert Calibration.outcome(4, 4) == "full" and Calibration.outcome(4, 3) == "cut"
+    assert m.expected == {("first", "tree", 1): 0.9, ("first", "tree"): 0.9}
 
 
 def test_copies_are_trusted_apart_from_the_trees():
@@ -248,7 +223,7 @@ def test_copies_are_trusted_apart_from_the_trees():
     assert c.ratio(40, "first", source="copy") == pytest.approx(10 / 35)
     assert best_length(c.scale([0.5] * 8, 2, source="tree"), MID) == 8
     assert best_length(c.scale([0.5] * 8, 2, source="copy"), MID) == 0
-    assert c.ratios()["copy"]["first"]["new"]["1-2"] == pytest.approx(
+    assert c.ratios()["copy"]["first"]["1-2"] == pytest.approx(
         c.ratio(2, "first", source="copy")
     )
 
@@ -272,34 +247,9 @@ def test_the_trees_part_of_a_copy_is_calibrated_as_the_trees():
     # teaches the trees' cells that their part was right.
     d = Calibration()
     d.update([0.5] * 12, accepted=8, match_len=20, source="copy", tree_len=8, tree_match=20)
-    assert d.expected[("first", "tree", d.bucket(20), "new")] == 0.5
-    assert ("first", "copy", d.bucket(20), "new") not in d.expected
-    assert d.accepted[("tail", "copy", d.bucket(20), "new", d.band(1.0))] == 0
-
-
-def test_drafts_carry_their_requests_history():
-    d = SuffixDrafter(cost=FLAT)
-    q = d.start(list(range(10, 40)) * 2)
-    d.commit(q, [10, 11, 12])
-    first = _draft(d, q, 4)
-    assert len(first) == 4 and first.last == "new" and first.truncate(2).last == "new"
-    d.record(drafted=4, accepted=4, draft=first, req_id=q)
-    assert d.propose(q).last == "full"
-    # A record without the request (a plain step, another caller) leaves it.
-    d.record(drafted=2, accepted=0, draft=first)
-    assert d.propose(q).last == "full"
-    second = d.propose(q, 4)
-    d.record(drafted=4, accepted=1, draft=second, req_id=q)
-    assert d.propose(q).last == "cut"
-    # Each draft calibrates the cells of the history it was drafted after.
-    bucket = d.policy.calibration.bucket(second.match_len)
-    assert d.policy.calibration.accepted[("first", "tree", bucket, "full")] == 1
-    assert d.policy.calibration.accepted[("tail", "tree", bucket, "full", 3)] == 0
-    other = d.start([1, 2, 3])
-    assert d.propose(other).last == "new"
-    d.finish(q)
-    d.record(drafted=1, accepted=1, draft=first, req_id=q)  # finished: ignored
-    assert d.active_requests == 1
+    assert d.expected[("first", "tree", d.bucket(20))] == 0.5
+    assert ("first", "copy", d.bucket(20)) not in d.expected
+    assert d.accepted[("tail", "copy", d.bucket(20))] == 0
 
 
 def test_pipelined_drafts_pay_only_for_their_tail():

@@ -71,7 +71,7 @@ class Policy:
         """A :class:`~mlx_lm_suffix.drafter.Draft`'s estimates as the
         probabilities the rules take (:meth:`Calibration.scale`)."""
         return self.calibration.scale(
-            draft.probs, draft.match_len, draft.last, draft.source, draft.tree_len, draft.tree_match
+            draft.probs, draft.match_len, draft.source, draft.tree_len, draft.tree_match
         )
 
     def length(self, draft: Any, pipelined: bool, replay: bool = False) -> int:
@@ -108,7 +108,6 @@ class Policy:
             draft.probs[:verified],
             accepted,
             draft.match_len,
-            draft.last,
             draft.source,
             draft.tree_len,
             draft.tree_match,

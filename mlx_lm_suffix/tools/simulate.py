@@ -258,7 +258,7 @@ def replay(
         t0 = time.perf_counter()
         drafter.commit(req, response[pos : pos + a + 1])
         seconds += time.perf_counter() - t0
-        drafter.record(drafted=len(draft), accepted=a, draft=draft, req_id=req)
+        drafter.record(drafted=len(draft), accepted=a, draft=draft)
         total_cost += cost(len(draft))
         pos += a + 1
     drafter.finish(req)
