@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Generator, Hashable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -62,6 +63,118 @@ def context_limit(model: nn.Module) -> Optional[int]:
     which rolls back like the model's own sliding windows)."""
     args = getattr(model, "args", None)
     return getattr(args, "max_position_embeddings", None)
+
+
+@dataclass
+class _Sequence:
+    """What one generation carries from step to step, and the operations its
+    steps share."""
+
+    model: nn.Module
+    cache: List[Any]
+    drafter: SuffixDrafter
+    req: int
+    sampler: Sampler
+    logits_processors: Optional[List[LogitsProcessor]]
+    kv_quantization: Tuple[int, int, Optional[int]]  # start, group size, bits
+    history: mx.array  # tokens in the cache, for logits processors
+    limit: float  # tokens to generate
+    num_draft_tokens: int  # 0: no drafting
+    ctx_limit: Optional[int]
+    emitted: int = 0
+
+    def forward(self, inputs: mx.array) -> Pending:
+        """Feed ``inputs`` (1-D) and sample the token after each position;
+        logits processors run position by position over the tokens so far."""
+        logits = self.model(inputs[None], cache=self.cache)[0]
+        maybe_quantize_kv_cache(self.cache, *self.kv_quantization)
+        if self.logits_processors:
+            rows = []
+            for j in range(inputs.size):
+                tokens = mx.concatenate([self.history, inputs[: j + 1]])
+                row = logits[j : j + 1]
+                for processor in self.logits_processors:
+                    row = processor(tokens, row)
+                rows.append(row)
+            logits = mx.concatenate(rows)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return self.sampler(logprobs), logprobs
+
+    def queue(self, tokens: mx.array) -> Pending:
+        """:meth:`forward`, evaluated asynchronously."""
+        out = self.forward(tokens)
+        mx.async_eval(*out)
+        return out
+
+    def fed(self, tokens: mx.array) -> None:
+        """``tokens`` are in the cache now."""
+        if self.logits_processors:
+            self.history = mx.concatenate([self.history, tokens])
+
+    def emit(self, token: int) -> None:
+        self.drafter.commit(self.req, [token])
+        self.emitted += 1
+
+    def draft(self, pipelined: bool) -> Draft:
+        """The draft to verify after the last emitted token, as long as the
+        policy decides (empty: a plain step). Settled (not ``pipelined``),
+        the verification feeds the pending token too."""
+        if not self.num_draft_tokens:
+            return Draft()
+        room = rollback.room(self.cache, self.ctx_limit) - (not pipelined)
+        k = int(min(self.num_draft_tokens, self.limit - self.emitted - 1, room))
+        draft = self.drafter.propose(self.req, k) if k > 0 else Draft()
+        if draft:
+            dear = rollback.replays(self.cache, len(draft) + 1)
+            draft = draft.truncate(self.drafter.policy.length(draft, pipelined, dear))
+        return draft
+
+    def undo(self, saved: rollback.Checkpoint, n: int, rejected: int, kept: mx.array) -> int:
+        """Drop the last ``rejected`` of the ``n`` positions fed since
+        ``saved``; where the cache went back to ``saved``, feed ``kept``
+        (the rest) again. Returns the positions now in the cache since."""
+        if rollback.undo(self.cache, saved, n, rejected):
+            self.model(kept[None], cache=self.cache)
+            return kept.size
+        return n - rejected
+
+
+def _verify(
+    seq: _Sequence, t: int, checked: Optional[Pending], draft: Draft
+) -> Generator[Tuple[int, mx.array, bool], None, Pending]:
+    """The verify step: one forward over ``draft`` and yield the tokens it
+    accepts; returns the pending token after them. Pipelined (``checked``:
+    the forward after ``t``, whose token confirmed the draft's first), it
+    feeds the rest of the draft; settled, ``t`` and the draft. The cache
+    holds exactly the yielded tokens when the caller stops in between."""
+    tokens = draft.tokens if checked is not None else [t] + draft.tokens
+    inputs = mx.array(tokens, mx.uint32)
+    saved = rollback.checkpoint(seq.cache)
+    tic = time.perf_counter()
+    out, logprobs = seq.forward(inputs)
+    targets = out.tolist()
+    seq.drafter.policy.observe(inputs.size, time.perf_counter() - tic)
+    if checked is not None:
+        targets = [draft.tokens[0]] + targets
+        logprobs = mx.concatenate([checked[1], logprobs])
+    k = len(draft)
+    a = accepted_length(draft.tokens, targets)
+    kept = inputs[: inputs.size - (k - a)]
+    # In the cache since the checkpoint: what the forward fed, or after a
+    # restore, the accepted tokens fed again.
+    since = seq.undo(saved, inputs.size, k - a, kept)
+    seq.fed(kept)
+    seq.drafter.record(drafted=k, accepted=a, draft=draft)
+    for i in range(a):
+        seq.emit(draft.tokens[i])
+        try:
+            yield draft.tokens[i], logprobs[i], True
+        except GeneratorExit:
+            unyielded = a - 1 - i
+            if unyielded:
+                seq.undo(saved, since, unyielded, kept[: kept.size - unyielded])
+            raise
+    return mx.array([targets[a]], mx.uint32), logprobs[a : a + 1]
 
 
 def suffix_generate_step(
@@ -112,63 +225,32 @@ def suffix_generate_step(
         return
 
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, max_kv_size)
-    drafting = num_draft_tokens > 0 and rollback.supports(cache)
-    if num_draft_tokens > 0 and not drafting:
+    if num_draft_tokens > 0 and not rollback.supports(cache):
         warn_no_rollback(model, cache)
+        num_draft_tokens = 0
     policy = drafter.policy
-    if drafting:
+    if num_draft_tokens > 0:
         policy.ensure_cost(model)
-    ctx_limit = context_limit(model)
-    sampler = sampler or greedy_sampler
     progress = prompt_progress_callback or (lambda *_: None)
     prompt = prompt.astype(mx.uint32)
     total = prompt.size
-    # Tokens in the cache, for logits processors (as generate_step keeps them).
-    history = prompt[:-1]
-
-    def forward(inputs: mx.array) -> Pending:
-        """Feed ``inputs`` (1-D) and sample the token after each position;
-        logits processors run position by position over the tokens so far."""
-        logits = model(inputs[None], cache=cache)[0]
-        maybe_quantize_kv_cache(cache, quantized_kv_start, kv_group_size, kv_bits)
-        if logits_processors:
-            rows = []
-            for j in range(inputs.size):
-                tokens = mx.concatenate([history, inputs[: j + 1]])
-                row = logits[j : j + 1]
-                for processor in logits_processors:
-                    row = processor(tokens, row)
-                rows.append(row)
-            logits = mx.concatenate(rows)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return sampler(logprobs), logprobs
-
-    def fed(tokens: mx.array) -> None:
-        nonlocal history
-        if logits_processors:
-            history = mx.concatenate([history, tokens])
-
-    def room(pipelined: bool) -> int:
-        """Most draft tokens the next verification may feed."""
-        # Settled, the pending token is fed too.
-        free = rollback.room(cache, ctx_limit) - (not pipelined)
-        return int(min(num_draft_tokens, limit - emitted - 1, free))
-
-    def replay(saved: rollback.Checkpoint, n: int, rejected: int, kept: mx.array) -> int:
-        """Drop the last ``rejected`` of the ``n`` positions fed since
-        ``saved``; where the cache went back to ``saved``, feed ``kept``
-        (the rest) again. Returns the positions now in the cache since."""
-        if rollback.undo(cache, saved, n, rejected):
-            model(kept[None], cache=cache)
-            return kept.size
-        return n - rejected
-
     req = drafter.start(prompt.tolist() if draft_prompt is None else draft_prompt, draft_scope)
-    emitted = 0
-    # Accepted tokens in the cache past the last one yielded (a close in the
-    # middle of a draft trims them), and whether the last yielded token is
-    # in the cache (a close after a settled step feeds it).
-    unyielded, last_in_cache, failed = 0, True, False
+    seq = _Sequence(
+        model,
+        cache,
+        drafter,
+        req,
+        sampler or greedy_sampler,
+        logits_processors,
+        (quantized_kv_start, kv_group_size, kv_bits),
+        prompt[:-1],
+        limit,
+        num_draft_tokens,
+        context_limit(model),
+    )
+    # Whether the last yielded token is in the cache (a close after a
+    # settled step feeds it, as generate_step leaves it).
+    in_cache, failed = True, False
     with mx.stream(stream):
         try:
             if total > 1:
@@ -179,7 +261,7 @@ def suffix_generate_step(
                     model,
                     stream,
                     max_tokens=0,
-                    sampler=sampler,
+                    sampler=seq.sampler,
                     prompt_cache=cache,
                     prefill_step_size=prefill_step_size,
                     kv_bits=kv_bits,
@@ -190,97 +272,56 @@ def suffix_generate_step(
                     pass
             else:
                 progress(0, total)
-            pending = forward(prompt[-1:])
-            fed(prompt[-1:])
-            mx.async_eval(*pending)
+            pending = seq.queue(prompt[-1:])
+            seq.fed(prompt[-1:])
             settled = False
             plain_tic = None  # when a plain step that nothing overlaps started
             while True:
                 tok, logprobs = pending
-                nxt = None
-                if not settled:
-                    # Pipelined: queue the next forward before syncing on this one.
-                    nxt = forward(tok)
-                    mx.async_eval(*nxt)
+                # Pipelined: queue the next forward before syncing on this one.
+                nxt = None if settled else seq.queue(tok)
                 t = tok.item()
                 if plain_tic is not None:
                     # Timed as verifications are, so cost(1) stays comparable.
                     policy.observe(1, time.perf_counter() - plain_tic)
                     plain_tic = None
-                if emitted == 0:
+                if seq.emitted == 0:
                     progress(total, total)
                 if not settled:
                     drafter.record()  # the plain step that gave t
-                drafter.commit(req, [t])
-                emitted += 1
-                last_in_cache = nxt is not None
+                seq.emit(t)
+                in_cache = nxt is not None
                 yield t, logprobs[0], False
-                if emitted >= limit:
+                if seq.emitted >= limit:
                     break
-                if emitted % 256 == 0:
+                if seq.emitted % 256 == 0:
                     mx.clear_cache()
 
-                k = room(pipelined=nxt is not None) if drafting else 0
-                draft = drafter.propose(req, k) if k > 0 else Draft()
-                if draft:
-                    dear = rollback.replays(cache, len(draft) + 1)
-                    draft = draft.truncate(policy.length(draft, nxt is not None, dear))
-                if not draft:
+                draft = seq.draft(pipelined=nxt is not None)
+                if not draft:  # the plain step
                     if nxt is None:
                         plain_tic = time.perf_counter()
-                        nxt = forward(tok)
-                        mx.async_eval(*nxt)
-                        last_in_cache = True
-                    fed(tok)
+                        nxt = seq.queue(tok)
+                        in_cache = True
+                    seq.fed(tok)
                     pending, settled = nxt, False
                     continue
-
                 if nxt is not None:
                     # t is in the cache and nxt's token follows it: the check.
-                    fed(tok)
-                    first, first_lp = nxt
-                    if first.item() != draft.tokens[0]:
+                    seq.fed(tok)
+                    if nxt[0].item() != draft.tokens[0]:
                         drafter.record(drafted=1, accepted=0, draft=draft)
                         pending, settled = nxt, True
                         continue
                     drafter.record()  # the pipelined step that checked it
-                    inputs = mx.array(draft.tokens, mx.uint32)
-                else:
-                    inputs = mx.array([t] + draft.tokens, mx.uint32)
-                saved = rollback.checkpoint(cache)
-                tic = time.perf_counter()
-                out, out_lp = forward(inputs)
-                targets = out.tolist()
-                policy.observe(inputs.size, time.perf_counter() - tic)
-                if nxt is not None:
-                    targets = [draft.tokens[0]] + targets
-                    out_lp = mx.concatenate([first_lp, out_lp])
-                k = len(draft)
-                a = accepted_length(draft.tokens, targets)
-                kept = inputs[: inputs.size - (k - a)]
-                # In the cache since the checkpoint: what the forward fed, or
-                # after a restore, the accepted tokens fed again.
-                since = replay(saved, inputs.size, k - a, kept)
-                fed(kept)
-                drafter.record(drafted=k, accepted=a, draft=draft)
-                last_in_cache = True
-                for i in range(a):
-                    drafter.commit(req, [draft.tokens[i]])
-                    emitted += 1
-                    unyielded = a - 1 - i
-                    yield draft.tokens[i], out_lp[i], True
-                unyielded = 0
-                pending = (mx.array([targets[a]], mx.uint32), out_lp[a : a + 1])
+                in_cache = True  # the verification feeds t where nxt did not
+                pending = yield from _verify(seq, t, nxt, draft)
                 settled = True
         except Exception:
             failed = True
             raise
         finally:
-            # Leave exactly the yielded tokens in the cache, as generate_step
-            # does, also when the caller stops in the middle of a draft.
-            if unyielded and not failed:
-                replay(saved, since, unyielded, kept[: kept.size - unyielded])
-            elif not last_in_cache and not failed:
-                forward(pending[0])
+            if not in_cache and not failed:
+                seq.forward(pending[0])
                 mx.eval([c.state for c in cache])
             drafter.finish(req)
