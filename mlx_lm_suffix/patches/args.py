@@ -49,14 +49,17 @@ def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
         "--suffix-max-cached-requests",
         type=int,
         default=DEFAULT_MAX_CACHED_REQUESTS,
-        help="Earlier responses kept in the global suffix cache (0 disables it). "
+        help="Earlier responses kept in the global suffix cache (0 disables it: no "
+        "request drafts from another's prompt or response, in flight or finished). "
         f"Default: {DEFAULT_MAX_CACHED_REQUESTS}",
     )
     group.add_argument(
         "--suffix-max-cached-tokens",
         type=int,
         default=DEFAULT_MAX_CACHED_TOKENS,
-        help="Total tokens of cached responses kept; oldest evicted first. "
+        help="Total tokens of cached responses kept (0 disables the global cache, as "
+        "above). Past either bound, the cache scope holding the most loses its oldest "
+        "response; a response longer than this is not kept. "
         f"Default: {DEFAULT_MAX_CACHED_TOKENS}",
     )
     group.add_argument(
