@@ -43,6 +43,16 @@ PROMPT_TAIL_TOKENS = 64
 COPY_PROB = 0.5
 
 
+class _Private:
+    def __repr__(self) -> str:
+        return "PRIVATE"
+
+
+#: The scope of a request that shares nothing with other requests: it drafts
+#: from its own prompt and output only, and no part of it is cached.
+PRIVATE: Hashable = _Private()
+
+
 @dataclass
 class Draft:
     """Draft tokens, the probability estimate for each, how many context
@@ -104,10 +114,15 @@ class SuffixDrafter:
         max_tree_depth: Depth of the suffix trees; also the longest context
             matched. A draft is at most about ``depth * f / (1 + f)`` tokens
             long, with ``f = max_spec_factor``.
-        max_cached_requests: Responses kept in the global cache (oldest
-            evicted first). ``0`` disables the global cache.
+        max_cached_requests: Responses kept in the global cache. ``0``
+            disables the global cache: no request drafts from another's
+            prompt or response, in flight or finished.
         max_cached_tokens: Total tokens of cached responses kept (each with
-            the prompt tokens kept before it).
+            the prompt tokens kept before it); ``0`` disables the global
+            cache as above. A response longer than this is not kept. Past
+            either bound, the scope holding the most (tokens, or responses)
+            loses its oldest response (ties: the oldest of them): one scope's
+            responses evict another's only while that one holds more.
         max_spec_factor, max_spec_offset: The trees' draft is at most
             ``match_length * max_spec_factor + max_spec_offset`` tokens
             (a prompt copy that extends it is capped by ``num_draft_tokens``).
@@ -156,9 +171,12 @@ class SuffixDrafter:
         self._ids = itertools.count()
         self._caches: Dict[Hashable, SuffixDecodingCache] = {}
         self._active: Dict[int, _Request] = {}
-        # FIFO of cached responses: req_id -> (scope, tokens)
+        # Cached responses, oldest first: req_id -> (scope, tokens); and per
+        # scope, its own (req_id -> token count, oldest first) and total.
         self._cached: "OrderedDict[int, Tuple[Hashable, List[int]]]" = OrderedDict()
         self._cached_tokens = 0
+        self._scope_cached: "Dict[Hashable, OrderedDict[int, int]]" = {}
+        self._scope_tokens: Dict[Hashable, int] = {}
         # Responses of active requests, kept to move them into _cached.
         self._responses: Dict[int, List[int]] = {}
 
@@ -207,7 +225,9 @@ class SuffixDrafter:
     def _cache(self, scope: Hashable) -> SuffixDecodingCache:
         cache = self._caches.get(scope)
         if cache is None:
-            n = -1 if self.max_cached_requests > 0 else 0
+            # 0: no global tree, so nothing of a request reaches another one.
+            shared = self.max_cached_requests > 0 and self.max_cached_tokens > 0
+            n = -1 if shared and scope is not PRIVATE else 0
             cache = SuffixDecodingCache(self.max_tree_depth, max_cached_requests=n)
             self._caches[scope] = cache
         return cache
@@ -217,7 +237,8 @@ class SuffixDrafter:
         """Start a request: its prompt becomes the request's own suffix tree.
 
         Returns a fresh request id (ids are never reused). ``scope`` selects
-        the global cache the request drafts from and adds its response to.
+        the global cache the request drafts from and adds its response to
+        (:data:`PRIVATE`: none).
         """
         prompt = [int(t) for t in prompt]
         split = max(0, len(prompt) - PROMPT_TAIL_TOKENS)
@@ -354,10 +375,16 @@ class SuffixDrafter:
                     self.policy.record(draft, drafted, accepted)
 
     def _keep_response(self, req_id: int, scope: Hashable, response: List[int]) -> None:
-        if req_id in self._caches[scope].cached_requests:
-            self._cached[req_id] = (scope, response)
-            self._cached_tokens += len(response)
-        self._evict()
+        cache = self._caches[scope]
+        if req_id in cache.cached_requests:
+            if len(response) > self.max_cached_tokens:
+                cache.evict_cached_response(req_id)  # it would evict everything
+            else:
+                self._cached[req_id] = (scope, response)
+                self._cached_tokens += len(response)
+                self._scope_cached.setdefault(scope, OrderedDict())[req_id] = len(response)
+                self._scope_tokens[scope] = self._scope_tokens.get(scope, 0) + len(response)
+                self._evict()
         self._drop_if_empty(scope)
 
     def _drop_if_empty(self, scope: Hashable) -> None:
@@ -372,12 +399,23 @@ class SuffixDrafter:
             del self._caches[scope]
 
     def _evict(self) -> None:
-        while self._cached and (
-            len(self._cached) > self.max_cached_requests
-            or self._cached_tokens > self.max_cached_tokens
-        ):
-            req_id, (scope, response) = self._cached.popitem(last=False)
-            self._cached_tokens -= len(response)
+        # The scope holding the most loses its oldest response (ties: the
+        # oldest response of those; req ids grow with time).
+        while self._cached:
+            if self._cached_tokens > self.max_cached_tokens:
+                held = self._scope_tokens
+            elif len(self._cached) > self.max_cached_requests:
+                held = {s: len(own) for s, own in self._scope_cached.items()}
+            else:
+                return
+            scope = max(held, key=lambda s: (held[s], -next(iter(self._scope_cached[s]))))
+            own = self._scope_cached[scope]
+            req_id, n = own.popitem(last=False)
+            del self._cached[req_id]
+            self._cached_tokens -= n
+            self._scope_tokens[scope] -= n
+            if not own:
+                del self._scope_cached[scope], self._scope_tokens[scope]
             self._caches[scope].evict_cached_response(req_id)
             self._drop_if_empty(scope)
 

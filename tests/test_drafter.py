@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_lm_suffix.drafter import SuffixDrafter
+from mlx_lm_suffix.drafter import PRIVATE, SuffixDrafter
 from mlx_lm_suffix.persistence import CacheFileError, read_cache_file, save_cache_file
 from mlx_lm_suffix.policy import LONG_MATCH
 
@@ -115,6 +115,110 @@ def test_bounds_evict_oldest_first():
     assert d.propose(probe).tokens == []
 
 
+def _cached_by_scope(d):
+    """Cached tokens per scope, read from the responses kept, and a check
+    that the suffix trees hold as many finished responses."""
+    held = {}
+    for scope, tokens in d.cached_responses():
+        held[scope] = held.get(scope, 0) + len(tokens)
+    trees = d._caches.values()
+    assert sum(len(c.cached_requests - c.active_requests) for c in trees) == d.cached_requests
+    assert sum(held.values()) == d.cached_tokens
+    return held
+
+
+def _respond(d, scope, first, n):
+    """A finished request of ``scope``: a one-token prompt, ``n - 1`` tokens
+    of response from ``first`` on (``n`` cached tokens)."""
+    r = d.start([first], scope=scope)
+    d.commit(r, list(range(first + 1, first + n)))
+    d.finish(r)
+
+
+def _drafts_from(d, scope, first):
+    """Whether a request of ``scope`` drafts the response that started at ``first``."""
+    r = d.start([7], scope=scope)
+    d.commit(r, [first, first + 1, first + 2])
+    tokens = d.propose(r, 3).tokens
+    d.finish(r)
+    return tokens == [first + 3, first + 4, first + 5]
+
+
+def test_a_scope_cannot_evict_other_scopes_beyond_its_share():
+    """Past a bound, the scope holding the most loses its oldest response:
+    one tenant's long or many responses do not evict the others'."""
+    d = SuffixDrafter(max_cached_requests=6, max_cached_tokens=100)
+    for i, scope in enumerate("abc"):
+        _respond(d, scope, 1000 * (i + 1), 20)
+    _respond(d, "d", 10_000, 150)  # longer than the bound: not kept
+    assert _cached_by_scope(d) == {"a": 20, "b": 20, "c": 20}
+    for i in range(10):
+        _respond(d, "d", 20_000 + 100 * i, 30)
+        held = _cached_by_scope(d)
+        assert d.cached_tokens <= 100 and d.cached_requests <= 6
+        assert held["a"] == held["b"] == held["c"] == 20
+    assert held["d"] == 30  # its newest one
+    assert _drafts_from(d, "d", 20_900) and not _drafts_from(d, "d", 20_800)
+    for i, scope in enumerate("abc"):
+        assert _drafts_from(d, scope, 1000 * (i + 1))
+    # The count bound: the scope with the most responses loses its oldest.
+    e = SuffixDrafter(max_cached_requests=4, max_cached_tokens=10_000)
+    for i, scope in enumerate("abc"):
+        _respond(e, scope, 1000 * (i + 1), 5)
+    for i in range(5):
+        _respond(e, "d", 20_000 + 100 * i, 5)
+        assert e.cached_requests <= 4
+        assert set(_cached_by_scope(e)) == set("abcd")
+    # Equal holdings: the oldest response goes, as with one scope.
+    for i, scope in enumerate("abcd"):
+        _respond(e, scope, 30_000 + 100 * i, 5)
+        assert e.cached_requests <= 4
+    assert _cached_by_scope(e) == dict.fromkeys("abcd", 5)
+    assert all(t[0] >= 30_000 for _, t in e.cached_responses())
+
+
+@pytest.mark.parametrize(
+    "knobs, scope",
+    [
+        ({"max_cached_tokens": 0}, None),
+        ({"max_cached_requests": 0}, None),
+        ({}, PRIVATE),
+    ],
+)
+def test_no_drafting_across_requests(knobs, scope):
+    """With the global cache off (either bound 0) or in the PRIVATE scope, a
+    request drafts from nothing of another one, in flight or finished, and
+    still from its own prompt and output."""
+    prompt, answer = list(range(100, 140)), list(range(500, 540))
+
+    def repeat_drafts(d, scope):
+        first = d.start(prompt, scope=scope)
+        d.commit(first, answer)  # in flight
+        live = d.start(prompt, scope=scope)
+        d.commit(live, answer[:6])
+        in_flight = d.propose(live, 8).tokens
+        d.finish(first)
+        done = d.start(prompt, scope=scope)
+        d.commit(done, answer[:6])
+        finished = d.propose(done, 8).tokens
+        # Its own output and prompt.
+        d.commit(done, [9] + answer[:3])
+        own_output = d.propose(done, 3).tokens
+        d.commit(done, prompt[:6])
+        own_prompt = d.propose(done, 3).tokens
+        for r in (live, done):
+            d.finish(r)
+        return in_flight, finished, own_output, own_prompt
+
+    shared = repeat_drafts(SuffixDrafter(), None)
+    assert shared[0] == shared[1] == answer[6:14]  # the test can tell
+    d = SuffixDrafter(**knobs)
+    in_flight, finished, own_output, own_prompt = repeat_drafts(d, scope)
+    assert in_flight == finished == []
+    assert own_output == answer[3:6] and own_prompt == prompt[6:9]
+    assert d.cached_requests == d.cached_tokens == 0 and PRIVATE not in d._caches
+
+
 def test_invalid_knobs_raise_clear_errors():
     for kwargs in (
         {"num_draft_tokens": -1},
@@ -134,7 +238,7 @@ def test_random_lifecycles_leave_nothing_active(ops):
     live, seen = [], set()
     for op, arg in ops:
         if op == "s":
-            r = d.start([arg, arg + 1])
+            r = d.start([arg, arg + 1], scope="abc"[arg % 3])
             assert r not in seen
             seen.add(r)
             live.append(r)
@@ -143,7 +247,7 @@ def test_random_lifecycles_leave_nothing_active(ops):
             d.propose(live[arg % len(live)], 4)
         elif live:  # finish or abort: both stop the request
             d.finish(live.pop(arg % len(live)))
-        assert d.cached_requests <= 4 and d.cached_tokens <= 50
+        assert d.cached_requests <= 4 and sum(_cached_by_scope(d).values()) <= 50
     for r in live:
         d.finish(r)
         d.finish(r)  # idempotent

@@ -3,6 +3,7 @@ subprocess on loopback, a tiny float32 model loaded from disk, and the
 ``openai`` client. Greedy outputs are compared with a stock server's."""
 
 import concurrent.futures
+import http.client
 import json
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import mlx_lm  # noqa: F401  (first: mlx_lm_suffix.policy imports mlx_lm)
 import pytest
@@ -57,6 +59,23 @@ class Server(ServerProcess):
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"{}")
+
+    def post_twice_named(self, path, body, header):
+        """POST JSON with ``header = (name, value1, value2)`` sent twice."""
+        u = urlsplit(self.url)
+        data = json.dumps(body).encode()
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+        try:
+            conn.putrequest("POST", path)
+            conn.putheader("Content-Type", "application/json")
+            conn.putheader("Content-Length", str(len(data)))
+            for value in header[1:]:
+                conn.putheader(header[0], value)
+            conn.endheaders(data)
+            r = conn.getresponse()
+            return r.status, json.loads(r.read())
+        finally:
+            conn.close()
 
     def stats(self):
         return self.get("/v1/suffix/stats")
@@ -170,11 +189,16 @@ def test_cli_flags(monkeypatch):
     assert ns.draft == "suffix" and ns.draft_model is None
     ns = _parse(monkeypatch, "--model", "m", "--draft-model", "other/model")
     assert ns.draft is None and ns.draft_model == "other/model"
+    ns = _parse(monkeypatch, "--model", "m", *SUFFIX_FIXED, "--suffix-cache-scope", "header:X-User")
+    assert ns.suffix_cache_scope == "header:X-User"
     for bad in (
         ["--draft", "suffix", "--draft-model", "x"],
         ["--draft", "medusa"],
         ["--draft", "suffix", "--suffix-max-tree-depth", "0"],
         ["--draft", "suffix", "--suffix-cache-scope", "tenant"],
+        ["--draft", "suffix", "--suffix-cache-scope", "header:"],
+        ["--draft", "suffix", "--suffix-cache-scope", "header:X User"],
+        ["--suffix-cache-scope", "header:X-User"],
         ["--suffix-cache-file", "x.json"],
     ):
         with pytest.raises(SystemExit) as e:
@@ -504,6 +528,53 @@ def test_user_scope_isolates_callers(tiny_model_path, logs):
         server.stop()
 
 
+def test_header_scope_trusts_only_the_header(tiny_model_path, logs):
+    """--suffix-cache-scope header:NAME: the scope is NAME's value alone (the
+    ``user`` field and API key do not count), and requests without it share
+    nothing, not even with each other."""
+    server = Server(
+        tiny_model_path,
+        *SUFFIX_FIXED,
+        "--suffix-cache-scope",
+        "header:X-Forwarded-User",
+        log_dir=logs,
+        name="header",
+    )
+    try:
+        text = _source_text(75)
+        x = server.client(api_key="key-alice")
+
+        def chat(who=None, **kw):
+            headers = {"X-Forwarded-User": who} if who else {}
+            return _chat(x, text, user="alice", extra_headers=headers, **kw)
+
+        a1 = chat("alice")
+        m1 = chat("mallory")  # alice's user and key, another identity
+        n1, n2 = chat(), chat()  # no identity: private
+        a2 = chat("alice")
+        assert a1[:2] == m1[:2] == n1[:2] == n2[:2] == a2[:2]
+        first = (a1[2].draft_tokens, a1[2].accepted_draft_tokens)
+        for r in (m1, n1, n2):
+            assert (r[2].draft_tokens, r[2].accepted_draft_tokens) == first
+        assert a2[2].accepted_draft_tokens > a1[2].accepted_draft_tokens
+        assert a2[2].accepted_draft_tokens / a2[2].draft_tokens > 0.9
+        stats = server.wait_idle()
+        # alice's two and mallory's responses are kept, the private ones not.
+        assert stats["cached_requests"] == 3 and stats["active_requests"] == 0
+        assert stats["scope"] == "header" and "Forwarded" not in json.dumps(stats)
+        status, reply = server.post_twice_named(
+            "/v1/chat/completions",
+            {"messages": _messages("hi"), "max_tokens": 4},
+            ("X-Forwarded-User", "alice", "bob"),
+        )
+        assert status == 400 and "X-Forwarded-User" in reply["error"]
+        assert server.post(
+            "/v1/chat/completions", {"messages": _messages("hi"), "max_tokens": 4}
+        )[0] == 200
+    finally:
+        server.stop()
+
+
 # ----------------------------------------------------------- persistence
 def _model_id(path):
     from mlx_lm.utils import load_tokenizer
@@ -534,7 +605,13 @@ def test_cache_file_survives_restart(tiny_model_path, logs, tmp_path):
 
     server = Server(tiny_model_path, *args, log_dir=logs, name="persist2")
     try:
-        assert server.stats()["cached_requests"] == 2
+        stats = server.stats()
+        assert stats["cached_requests"] == 2
+        # Names, not paths: neither the model's folder nor the cache file's.
+        assert stats["cache_file"] is True and stats["models"][0]["cache_file"] is True
+        assert stats["models"][0]["model"] == Path(tiny_model_path).name
+        assert str(Path(tiny_model_path).parent) not in json.dumps(stats)
+        assert cache_file.name not in json.dumps(stats)
         again = _chat(server.client(), text)
         assert again[:2] == first[:2]
         assert again[2].accepted_draft_tokens / again[2].draft_tokens > 0.9
@@ -620,6 +697,6 @@ def test_model_switch_gets_its_own_cache(suffix_server, tiny_llama_path):
     assert again[:2] == first[:2]
     assert again[2].accepted_draft_tokens / again[2].draft_tokens > 0.9
     stats = suffix_server.wait_idle()
-    models = {m["model"].split("|")[0]: m for m in stats["models"]}
+    models = {m["model"]: m for m in stats["models"]}
     assert len(models) == 2
-    assert models[str(Path(other).resolve())]["cached_requests"] == 2
+    assert models[Path(other).name]["cached_requests"] == 2

@@ -10,6 +10,7 @@ drafting with suffix trees (to mlx-lm's default otherwise). The server adds
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Callable, List, Optional
 
 from ..drafter import (
@@ -27,6 +28,9 @@ from ..policy.rules import POLICIES
 
 SUFFIX = "suffix"
 SCOPES = ("global", "user")
+#: ``--suffix-cache-scope header:NAME``: the prefix, and what NAME may be (an HTTP token).
+HEADER_SCOPE = "header:"
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 # mlx-lm's own --num-draft-tokens default, kept on the parser.
 _STOCK_NUM_DRAFT_TOKENS = "_mlx_lm_suffix_stock_num_draft_tokens"
 
@@ -45,14 +49,17 @@ def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
         "--suffix-max-cached-requests",
         type=int,
         default=DEFAULT_MAX_CACHED_REQUESTS,
-        help="Earlier responses kept in the global suffix cache (0 disables it). "
+        help="Earlier responses kept in the global suffix cache (0 disables it: no "
+        "request drafts from another's prompt or response, in flight or finished). "
         f"Default: {DEFAULT_MAX_CACHED_REQUESTS}",
     )
     group.add_argument(
         "--suffix-max-cached-tokens",
         type=int,
         default=DEFAULT_MAX_CACHED_TOKENS,
-        help="Total tokens of cached responses kept; oldest evicted first. "
+        help="Total tokens of cached responses kept (0 disables the global cache, as "
+        "above). Past either bound, the cache scope holding the most loses its oldest "
+        "response; a response longer than this is not kept. "
         f"Default: {DEFAULT_MAX_CACHED_TOKENS}",
     )
     group.add_argument(
@@ -84,6 +91,20 @@ def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
         "requests) is chosen from the trees' probabilities and the measured cost "
         "of verifying it; 'fixed': draft as long as the trees allow (up to "
         "--num-draft-tokens). Default: adaptive",
+    )
+
+
+def cache_scope(value: str) -> str:
+    """The ``--suffix-cache-scope`` value: ``global``, ``user`` or
+    ``header:NAME`` (NAME an HTTP header name). Raises
+    ``argparse.ArgumentTypeError`` otherwise."""
+    if value in SCOPES:
+        return value
+    if value.startswith(HEADER_SCOPE) and _HEADER_NAME.fullmatch(value[len(HEADER_SCOPE) :]):
+        return value
+    raise argparse.ArgumentTypeError(
+        f"invalid choice: {value!r} (choose global, user or header:NAME, "
+        "e.g. header:X-Forwarded-User)"
     )
 
 
@@ -132,13 +153,19 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("suffix decoding server options (mlx-lm-suffix)")
     group.add_argument(
         "--suffix-cache-scope",
-        choices=list(SCOPES),
+        type=cache_scope,
         default="global",
-        help="'global': every request drafts from all earlier responses. 'user': "
-        "only from the same caller's (the request's 'user' field and/or its "
-        "'Authorization: Bearer' API key, hashed); a shared cache lets one "
-        "client's speed reveal what other clients' answers contained. "
-        "Default: global",
+        metavar="{global,header:NAME,user}",
+        help="'global': every request drafts from all earlier responses and the "
+        "prompts and responses in flight (one client's speed and draft counts "
+        "reveal what others' contained). 'header:NAME' (e.g. "
+        "header:X-Forwarded-User): only from requests with the same value of "
+        "request header NAME, which an authenticating proxy in front of the "
+        "server must set (replacing any the client sent); requests without it "
+        "share nothing. 'user': by the request's 'user' field and "
+        "'Authorization: Bearer' value, which mlx_lm.server never checks: any "
+        "client can claim anyone's, so it isolates only behind a proxy that "
+        "verifies both. Default: global",
     )
     group.add_argument(
         "--suffix-cache-file",
@@ -167,9 +194,10 @@ def finalize_server_args(parser: argparse.ArgumentParser, ns: argparse.Namespace
         ns.draft = SUFFIX
     suffix = enabled(ns)
     if not suffix:
+        scope = ns.suffix_cache_scope
         for flag, value in (
             ("--suffix-cache-file", ns.suffix_cache_file),
-            ("--suffix-cache-scope user", ns.suffix_cache_scope == "user" or None),
+            (f"--suffix-cache-scope {scope}", scope != "global" or None),
         ):
             if value is not None:
                 parser.error(f"{flag} needs --draft suffix")

@@ -32,6 +32,7 @@ import signal
 import threading
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -46,10 +47,10 @@ from typing import (
 )
 from urllib.parse import urlsplit
 
-from ..drafter import SuffixDrafter
+from ..drafter import PRIVATE, SuffixDrafter
 from ..persistence import CacheFile, CacheFileRefused, model_id
 from ..stats import BatchDraftStats, RequestUsage
-from .args import SUFFIX, drafter_from_args, enabled
+from .args import HEADER_SCOPE, SUFFIX, drafter_from_args, enabled
 
 if TYPE_CHECKING:
     from ..batch import RowOptions
@@ -72,6 +73,7 @@ class ModelEntry:
 
     key: Tuple[Any, ...]
     model_id: str
+    name: str  # shown in the stats: a local model's folder name, or its repo id
     drafter: Optional[SuffixDrafter]  # None: the model cannot roll back
     batch_stats: BatchDraftStats
     persisted: bool = False
@@ -135,7 +137,8 @@ class SuffixServing:
                         model_path,
                         rollback.describe(cache),
                     )
-                entry = self.entries[key] = ModelEntry(key, mid, drafter, BatchDraftStats())
+                entry = ModelEntry(key, mid, _model_name(model_path), drafter, BatchDraftStats())
+                self.entries[key] = entry
             # Kept on the model (modules are unhashable dicts).
             object.__setattr__(model, _MODEL_ATTR, entry)
             if self.cache_file is not None:
@@ -172,7 +175,10 @@ class SuffixServing:
 
     # ------------------------------------------------------------- stats
     def stats_payload(self) -> Dict[str, Any]:
-        """The body of ``GET /v1/suffix/stats``."""
+        """The body of ``GET /v1/suffix/stats``: settings and counters summed
+        over all requests, for anyone who can reach the server. Nothing in it
+        names a file or path (models by folder name or repo id, whether a
+        cache file is set), a scope or a header."""
         keys = ("drafted", "accepted", "tokens", "steps", "requests")
         totals = dict.fromkeys(keys, 0)
         totals.update(active_requests=0, cached_requests=0, cached_tokens=0)
@@ -181,14 +187,14 @@ class SuffixServing:
         with self._lock:
             entries = list(self.entries.values())
         for e in entries:
-            m: Dict[str, Any] = {"model": e.model_id, "drafting": e.drafter is not None}
+            m: Dict[str, Any] = {"model": e.name, "drafting": e.drafter is not None}
             if e.drafter is not None:
                 snap = e.drafter.snapshot()
                 m.update(snap)
                 for k in totals:
                     totals[k] += snap[k]
             m["batch"] = e.batch_stats.as_dict()
-            m["cache_file"] = self.cache_file.path if e.persisted else None
+            m["cache_file"] = e.persisted
             batch.merge(e.batch_stats)
             models.append(m)
         return {
@@ -196,14 +202,19 @@ class SuffixServing:
             "draft": SUFFIX,
             "num_draft_tokens": self.num_draft_tokens,
             "policy": getattr(self.cli_args, "suffix_policy", None),
-            "scope": self.scope,
-            "cache_file": self.cache_file.path if self.cache_file else None,
+            "scope": "header" if self.scope.startswith(HEADER_SCOPE) else self.scope,
+            "cache_file": self.cache_file is not None,
             **totals,
             "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0,
             "tokens_per_step": totals["tokens"] / totals["steps"] if totals["steps"] else 0.0,
             "batch": batch.as_dict(),
             "models": models,
         }
+
+
+def _model_name(model_path: str) -> str:
+    path = Path(model_path).expanduser()
+    return path.resolve().name if path.exists() else str(model_path)
 
 
 @contextlib.contextmanager
@@ -288,12 +299,27 @@ def prepare_run(state: SuffixServing) -> None:
 
 
 # --------------------------------------------------------------- requests
-def scope_key(body: Dict[str, Any], headers: Any) -> str:
-    """A caller's cache scope for ``--suffix-cache-scope user``: a hash of
-    the API key (``Authorization: Bearer ...``) and the ``user`` field."""
+def scope_key(body: Dict[str, Any], headers: Any, mode: str = "user") -> Hashable:
+    """A request's cache scope for ``--suffix-cache-scope`` ``mode``.
+
+    ``user``: a hash of the API key (``Authorization: Bearer ...``) and the
+    ``user`` field, both as the client sent them. ``header:NAME``: a hash of
+    header NAME's value alone (set by a trusted proxy); without it,
+    :data:`~mlx_lm_suffix.drafter.PRIVATE`. Raises ``ValueError`` for a
+    ``user`` that is not a string, or NAME sent more than once."""
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise ValueError("user must be a string")
+    if mode.startswith(HEADER_SCOPE):
+        name = mode[len(HEADER_SCOPE) :]
+        values = [v.strip() for v in (headers.get_all(name) or [])] if headers else []
+        if len(values) > 1:
+            raise ValueError(f"more than one {name} header")
+        if not values or not values[0]:
+            return PRIVATE
+        h = hashlib.sha256(b"mlx-lm-suffix scope\0header\0")
+        h.update(values[0].encode())
+        return "header:" + h.hexdigest()[:32]
     auth = headers.get("Authorization") if headers is not None else None
     key = None
     if auth:
@@ -345,7 +371,9 @@ def request_info(handler: Any) -> Optional[RequestInfo]:
     options = handler.body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise ValueError("stream_options must be an object")
-    scope = scope_key(handler.body, handler.headers) if state.scope == "user" else None
+    scope = None
+    if state.scope != "global":
+        scope = scope_key(handler.body, handler.headers, state.scope)
     handler.requested_draft_model = "default_model"
     drafting = draft is not None and n > 0
     return RequestInfo(
