@@ -366,13 +366,17 @@ class SuffixGenerationBatch(GenerationBatch):
         return mx.stack(rows)
 
     def _sample(self, logprobs: mx.array) -> mx.array:
-        B, W, V = logprobs.shape
-        samplers = [
-            self.fallback_sampler if s is None else s for s in (self.samplers or [None] * B)
-        ]
-        if all(s is samplers[0] for s in samplers):
-            return samplers[0](logprobs.reshape(B * W, V)).reshape(B, W)
-        return mx.stack([s(logprobs[i]) for i, s in enumerate(samplers)])
+        """Each row's sampler over all its positions (``logprobs``: ``(B, W, V)``)."""
+        samplers = self.samplers or [None] * len(self.uids)
+        return mx.stack([(s or self.fallback_sampler)(r) for s, r in zip(samplers, logprobs)])
+
+    def _finish_reason(self, i: int, token: int) -> Optional[str]:
+        """Count ``token`` emitted by row ``i`` and say whether it finishes
+        the row: the test of ``GenerationBatch.next`` (mlx-lm 0.32.2) for
+        one token, applied to each accepted token in turn."""
+        self._num_tokens[i] += 1
+        reason = "length" if self._num_tokens[i] >= self.max_tokens[i] else None
+        return "stop" if self._matchers[i].advance(token) else reason
 
     def _verify(
         self, pending: List[int], checked: List[Draft], confirmed: bool = True
@@ -477,11 +481,7 @@ class SuffixGenerationBatch(GenerationBatch):
             reason, out = None, []
             for t in [p] + d[:a]:
                 out.append(t)
-                self._num_tokens[i] += 1
-                if self._num_tokens[i] >= self.max_tokens[i]:
-                    reason = "length"
-                if self._matchers[i].advance(t):
-                    reason = "stop"
+                reason = self._finish_reason(i, t)
                 if reason is not None:
                     break
             self.tokens[i].extend(out)
