@@ -177,6 +177,41 @@ def _verify(
     return mx.array([targets[a]], mx.uint32), logprobs[a : a + 1]
 
 
+def _prefill(
+    seq: _Sequence,
+    prompt: mx.array,
+    stream: mx.Stream,
+    prefill_step_size: int,
+    progress: Optional[Callable[[int, int], None]],
+) -> Pending:
+    """The prompt into the cache by mlx-lm's own ``generate_step`` (with
+    ``max_tokens=0`` it runs the prefill and the first step, and yields
+    nothing); its sampler is wrapped to keep the first token and logprobs."""
+    first: List[mx.array] = []
+
+    def sampler(logprobs: mx.array) -> mx.array:
+        first[:] = [seq.sampler(logprobs), logprobs]
+        return first[0]
+
+    start, group_size, bits = seq.kv_quantization
+    for _ in generate_step(
+        prompt,
+        seq.model,
+        stream,
+        max_tokens=0,
+        sampler=sampler,
+        logits_processors=seq.logits_processors,
+        prompt_cache=seq.cache,
+        prefill_step_size=prefill_step_size,
+        kv_bits=bits,
+        kv_group_size=group_size,
+        quantized_kv_start=start,
+        prompt_progress_callback=progress,
+    ):
+        pass
+    return first[0], first[1]
+
+
 def suffix_generate_step(
     prompt: mx.array,
     model: nn.Module,
@@ -231,9 +266,7 @@ def suffix_generate_step(
     policy = drafter.policy
     if num_draft_tokens > 0:
         policy.ensure_cost(model)
-    progress = prompt_progress_callback or (lambda *_: None)
     prompt = prompt.astype(mx.uint32)
-    total = prompt.size
     req = drafter.start(prompt.tolist() if draft_prompt is None else draft_prompt, draft_scope)
     seq = _Sequence(
         model,
@@ -243,7 +276,7 @@ def suffix_generate_step(
         sampler or greedy_sampler,
         logits_processors,
         (quantized_kv_start, kv_group_size, kv_bits),
-        prompt[:-1],
+        prompt,
         limit,
         num_draft_tokens,
         context_limit(model),
@@ -253,27 +286,7 @@ def suffix_generate_step(
     in_cache, failed = True, False
     with mx.stream(stream):
         try:
-            if total > 1:
-                # mlx-lm's prefill of all but the last token (max_tokens=0
-                # yields nothing: its one step only fills the cache).
-                for _ in generate_step(
-                    prompt[:-1],
-                    model,
-                    stream,
-                    max_tokens=0,
-                    sampler=seq.sampler,
-                    prompt_cache=cache,
-                    prefill_step_size=prefill_step_size,
-                    kv_bits=kv_bits,
-                    kv_group_size=kv_group_size,
-                    quantized_kv_start=quantized_kv_start,
-                    prompt_progress_callback=lambda done, _: progress(done, total),
-                ):
-                    pass
-            else:
-                progress(0, total)
-            pending = seq.queue(prompt[-1:])
-            seq.fed(prompt[-1:])
+            pending = _prefill(seq, prompt, stream, prefill_step_size, prompt_progress_callback)
             settled = False
             plain_tic = None  # when a plain step that nothing overlaps started
             while True:
@@ -285,8 +298,6 @@ def suffix_generate_step(
                     # Timed as verifications are, so cost(1) stays comparable.
                     policy.observe(1, time.perf_counter() - plain_tic)
                     plain_tic = None
-                if seq.emitted == 0:
-                    progress(total, total)
                 if not settled:
                     drafter.record()  # the plain step that gave t
                 seq.emit(t)

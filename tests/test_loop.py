@@ -339,12 +339,12 @@ def test_adaptive_verifies_the_missed_token_with_the_next_draft(model_and_tokeni
     for policy in ("adaptive", "fixed"):
         yielded, calls = _forwards_after_a_miss(model, prompt, policy)
         assert yielded == ref
-        # After mlx-lm's prefill (the chunk, then its last token alone): the
-        # last prompt token, the plain forward of token 0 (which rejects the
-        # draft after it), then token 1 (the rejected draft's place) and a
-        # draft, once both are yielded.
-        assert calls[2:4] == [(1, 0), (1, 0)]
-        assert calls[4][0] > 1 and calls[4][1] == 2
+        # mlx-lm's prefill (all but the last prompt token, then that token
+        # alone), the plain forward of token 0 (which rejects the draft after
+        # it), then token 1 (the rejected draft's place) and a draft, once
+        # both are yielded.
+        assert calls[0] == (len(prompt) - 1, 0) and calls[1:3] == [(1, 0), (1, 0)]
+        assert calls[3][0] > 1 and calls[3][1] == 2
 
 
 def test_cache_holds_exactly_prompt_plus_yielded_tokens(model_and_tokenizer):
