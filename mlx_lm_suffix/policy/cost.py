@@ -9,9 +9,15 @@ from typing import Dict, List, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-#: The forwards timed when a model is first used (a probe of a few plain
-#: steps' time); the curve grows from the steps generation takes.
-CALIBRATION_SIZES = (1, 2, 8)
+#: The forwards timed when a model is first used: a plain step (a probe of
+#: a few plain steps' time, whatever the model); the rest of the curve is
+#: learnt from the verifications generation runs.
+CALIBRATION_SIZES = (1,)
+#: Until a forward over more than one token is timed, each token past the
+#: first costs this much of a plain step: about what a 4-bit model's costs
+#: on a CPU, the dearest case seen (notes.md), so a draft verified on this
+#: guess pays wherever forwards are cheaper, and its time replaces it.
+PRIOR_SLOPE = 0.5
 
 
 class VerifyCost:
@@ -41,13 +47,12 @@ class VerifyCost:
         self._checks_seen = 0
 
     def _envelope(self) -> None:
-        """Keep the curve physical: a forward over more tokens never costs
-        less, nor more than proportionally more (``n`` one-token forwards
-        would do). Timing noise only ever adds time, so each point is lowered
-        to the bound its neighbours give."""
+        """Keep the curve monotone: a forward over more tokens never costs
+        less. Timing noise only ever adds time, so a point above a larger
+        size's comes down to it. (Not bounded by proportional growth: on a
+        CPU a quantized forward over a few tokens can cost more than as many
+        one-token ones.)"""
         pts, sizes = self.points, self._sizes
-        for lo, hi in zip(sizes, sizes[1:]):
-            pts[hi] = min(pts[hi], pts[lo] * hi / lo)
         for lo, hi in zip(reversed(sizes[:-1]), reversed(sizes[1:])):
             pts[lo] = min(pts[lo], pts[hi])
 
@@ -61,14 +66,13 @@ class VerifyCost:
         if i < len(sizes) and sizes[i] == n:
             return pts[n]
         if i == len(sizes):
-            # Past the largest point, as the last segment grows, and at most
-            # proportionally (until a step that large is seen).
+            # Past the largest point, as the last segment grows (with one
+            # point, by PRIOR_SLOPE), until a step that large is seen.
             last = sizes[-1]
-            prop = pts[last] * n / last
             if len(sizes) == 1:
-                return prop
+                return pts[last] * (1 + PRIOR_SLOPE * (n - last) / last)
             prev = sizes[-2]
-            return min(prop, pts[last] + (pts[last] - pts[prev]) * (n - last) / (last - prev))
+            return pts[last] + (pts[last] - pts[prev]) * (n - last) / (last - prev)
         lo, hi = sizes[i - 1], sizes[i]
         return pts[lo] + (pts[hi] - pts[lo]) * (n - lo) / (hi - lo)
 
@@ -102,9 +106,10 @@ class VerifyCost:
 
     def observe(self, n: int, seconds: float, rows: int = 1) -> None:
         """Learn from a real step's time: for one sequence, refine the
-        nearest point within a factor of two of ``n`` (with none, the step
-        becomes a point of its own); for a batch, the factor of its shape
-        (the mean of its first steps, then a moving average)."""
+        nearest point within a factor of two of ``n`` (with none, or where
+        that is the plain step's and ``n`` is more, the step becomes a point
+        of its own); for a batch, the factor of its shape (the mean of its
+        first steps, then a moving average)."""
         if not self.smoothing:
             return
         if rows > 1:
@@ -114,7 +119,7 @@ class VerifyCost:
             factor[0] = self._average(factor[0], factor[1], seconds / self.batch_prior(n, rows))
             return
         near = min(self._sizes, key=lambda s: abs(s - n))
-        if near != n and not (near / 2 <= n <= near * 2):
+        if near != n and (near == 1 or not near / 2 <= n <= near * 2):
             self.points[n] = seconds
             self._sizes = sorted(self.points)
             self._envelope()
@@ -160,15 +165,16 @@ class VerifyCost:
         cls,
         model: nn.Module,
         sizes: Sequence[int] = CALIBRATION_SIZES,
-        context: int = 32,
+        context: int = 1,
         repeats: int = 1,
         min_seconds: float = 0.05,
     ) -> "VerifyCost":
         """Time forwards of ``sizes`` tokens after a ``context``-token prefix
-        on a scratch cache: the best of at least ``repeats`` runs each, more
-        (up to 20) while a size has taken less than ``min_seconds``, so the
-        cheap forwards, the noisiest, get the most runs; a forward slower than
-        ten times ``min_seconds`` gets one (its noise is small next to it)."""
+        on a scratch cache, after one run that warms the kernels up: the
+        best of at least ``repeats`` runs each, more (up to 20) while a size
+        has taken less than ``min_seconds``, so the cheap forwards, the
+        noisiest, get the most runs; a forward slower than ten times
+        ``min_seconds`` gets one (its noise is small next to it)."""
         # Imported here: mlx_lm's import runs our patches, which import this.
         from mlx_lm.models.cache import make_prompt_cache
 
