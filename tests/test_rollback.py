@@ -1,9 +1,16 @@
 """Rollback of rejected positions, per cache kind, without a model."""
 
 import mlx.core as mx
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache, RotatingKVCache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    BatchRotatingKVCache,
+    CacheList,
+    KVCache,
+    RotatingKVCache,
+)
 
 from mlx_lm_suffix import rollback
 
@@ -115,3 +122,81 @@ def test_undo_restores_what_cannot_trim():
     saved = rollback.checkpoint([s])
     s[0] = mx.array([2.0])
     assert rollback.undo([s], saved, 1, 1) == 0 and s[0].item() == 1.0
+
+
+def _attended(c, block, window):
+    """Feed ``block`` (one list of values per row) to a batch cache as keys
+    and values; for every row and fed position, the sorted values its
+    attention mask lets it see."""
+    B, N = len(block), len(block[0])
+    mask = c.make_mask(N, window_size=window)
+    keys, _ = c.update_and_fetch(_kv(block).reshape(B, 1, N, 1), _kv(block).reshape(B, 1, N, 1))
+    mask = mx.broadcast_to(mask, (B, 1, N, keys.shape[2])).tolist()
+    seen = keys[:, 0, :, 0].tolist()
+    return [
+        [sorted(v for v, m in zip(seen[b], mask[b][0][j]) if m) for j in range(N)]
+        for b in range(B)
+    ]
+
+
+def _windows(rows, n, window):
+    """What stock's one-token steps attend for the last ``n`` values of each
+    row: the ``window`` values up to each."""
+    return [
+        [sorted(r[max(0, len(r) - n + j + 1 - window) : len(r) - n + j + 1]) for j in range(n)]
+        for r in rows
+    ]
+
+
+@settings(max_examples=60, deadline=None)
+@example(lengths=[1, 6], steps=[1, [2, 0, 0, 0]])  # wrapped, a row still padded
+@example(lengths=[2, 2], steps=[9, [0, 3, 0, 0]])  # rolled where padding is gone
+@given(
+    lengths=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    steps=st.lists(
+        st.one_of(
+            st.integers(1, 12),  # this many one-token steps (stock's decoding)
+            st.lists(st.integers(0, 5), min_size=4, max_size=4),  # a verification
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_rollback_sliding_window_batch(lengths, steps):
+    """A batch of sliding windows (``BatchRotatingKVCache``, window 6; rows
+    left-padded, most wrap): one-token steps and verifications of a block of
+    positions rejecting a different count per row, in any order. Every
+    position of every forward attends exactly the last 6 values of its row,
+    as stock's one-token steps do, and each row's cache holds them."""
+    W = 6
+    B = len(lengths)
+    rows = [[float(100 * b + i) for i in range(n)] for b, n in enumerate(lengths)]
+    width = max(lengths)
+    cache = BatchRotatingKVCache(W, [width - n for n in lengths])
+    got = _attended(cache, [[-1.0] * (width - len(r)) + r for r in rows], W)
+    assert [g[width - len(r) :] for g, r in zip(got, rows)] == [
+        _windows([r], len(r), W)[0] for r in rows
+    ]
+    counter = 1000.0
+    for step in steps:
+        if isinstance(step, int):
+            for _ in range(step):
+                new = [[counter + b] for b in range(B)]
+                counter += 10
+                got = _attended(cache, new, W)
+                rows = [r + n for r, n in zip(rows, new)]
+                assert got == _windows(rows, 1, W)
+            continue
+        rejected = step[:B]
+        K = max(rejected) + 1
+        new = [[counter + 10 * j + b for j in range(K)] for b in range(B)]
+        counter += 10 * K
+        saved = rollback.checkpoint([cache])
+        got = _attended(cache, new, W)
+        assert got == _windows([r + n for r, n in zip(rows, new)], K, W)
+        assert not rollback.undo_rows([cache], saved, K, rejected)  # trimmed
+        rows = [r + n[: K - x] for r, n, x in zip(rows, new, rejected)]
+        assert cache.offset.tolist() == [len(r) for r in rows]
+        for b, r in enumerate(rows):
+            kept = cache.extract(b).keys.flatten().tolist()
+            assert len(kept) >= min(len(r), W) and kept == r[-len(kept) :]
