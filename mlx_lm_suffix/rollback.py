@@ -80,8 +80,13 @@ class Checkpoint(NamedTuple):
 
 
 def _saved(state: Any) -> Any:
-    # An ArraysCache's state holds the list its layers assign into in place.
-    return tuple(list(v) if isinstance(v, list) else v for v in state)
+    # New handles, sharing the data: an ArraysCache's layers assign into its
+    # list in place, and caches update arrays in place (``left_padding -= n``,
+    # ``keys[..., i] = k``), which changes every handle of the array.
+    def handle(v: Any) -> Any:
+        return mx.array(v) if isinstance(v, mx.array) else v
+
+    return tuple([handle(x) for x in v] if isinstance(v, list) else handle(v) for v in state)
 
 
 def checkpoint(cache: List[Any]) -> Checkpoint:
@@ -217,15 +222,22 @@ def _trim_rows(c: Any, n: int, extra: Sequence[int]) -> None:
     if not any(extra):
         return
     if window:
-        # A wrapped row's left padding goes negative (its padding is gone);
-        # the rolled positions are its only padding then.
-        c.left_padding = mx.maximum(c.left_padding, 0)
         # finalize rolls each row by how far its offset then is past its
         # offset now plus ``lengths``: by ``extra``.
         c.prepare(lengths=[-e for e in extra], right_padding=list(extra))
     else:
         c.prepare(right_padding=list(extra))
-    c.finalize()
+    _finalize(c)
+
+
+def _finalize(c: Any) -> None:
+    """``c.finalize()``, a sliding window's from no left padding where its
+    count went negative (a wrapped row's padding is gone; mlx-lm 0.32.2
+    adds the rolled positions to the count, which then misses them)."""
+    for layer in _layers([c]):
+        if type(layer) is _cache.BatchRotatingKVCache:
+            layer.left_padding = mx.maximum(layer.left_padding, 0)
+        layer.finalize()
 
 
 def replay_rows(model: Any, cache: List[Any], tokens: Sequence[Sequence[int]]) -> None:
@@ -241,7 +253,7 @@ def replay_rows(model: Any, cache: List[Any], tokens: Sequence[Sequence[int]]) -
     model(inputs, cache=cache)
     if any(padding):
         for c in cache:
-            c.finalize()
+            _finalize(c)
 
 
 def replays_rows(cache: List[Any]) -> bool:

@@ -139,6 +139,17 @@ def _attended(c, block, window):
     ]
 
 
+class _KeysModel:
+    """A model whose forward feeds its tokens to its first cache as keys and
+    values, and records what each position attends."""
+
+    def __init__(self, window, seen):
+        self.window, self.seen = window, seen
+
+    def __call__(self, inputs, cache):
+        self.seen.append(_attended(cache[0], inputs.astype(mx.float32).tolist(), self.window))
+
+
 def _windows(rows, n, window):
     """What stock's one-token steps attend for the last ``n`` values of each
     row: the ``window`` values up to each."""
@@ -149,8 +160,9 @@ def _windows(rows, n, window):
 
 
 @settings(max_examples=60, deadline=None)
-@example(lengths=[1, 6], steps=[1, [2, 0, 0, 0]])  # wrapped, a row still padded
-@example(lengths=[2, 2], steps=[9, [0, 3, 0, 0]])  # rolled where padding is gone
+@example(lengths=[1, 6], steps=[1, [2, 0, 0, 0]], recurrent=False)  # wrapped, a row padded
+@example(lengths=[2, 2], steps=[9, [0, 3, 0, 0]], recurrent=False)  # rolled, padding gone
+@example(lengths=[2, 5], steps=[7, [1, 1, 0, 0]], recurrent=True)  # replays one token
 @given(
     lengths=st.lists(st.integers(1, 9), min_size=1, max_size=4),
     steps=st.lists(
@@ -161,18 +173,22 @@ def _windows(rows, n, window):
         min_size=1,
         max_size=6,
     ),
+    recurrent=st.booleans(),
 )
-def test_rollback_sliding_window_batch(lengths, steps):
+def test_rollback_sliding_window_batch(lengths, steps, recurrent):
     """A batch of sliding windows (``BatchRotatingKVCache``, window 6; rows
     left-padded, most wrap): one-token steps and verifications of a block of
-    positions rejecting a different count per row, in any order. Every
+    positions rejecting a different count per row, in any order; with a
+    recurrent layer next to it (``recurrent``), a rejection restores both
+    and each row's kept positions are fed again, right-padded. Every
     position of every forward attends exactly the last 6 values of its row,
     as stock's one-token steps do, and each row's cache holds them."""
     W = 6
     B = len(lengths)
-    rows = [[float(100 * b + i) for i in range(n)] for b, n in enumerate(lengths)]
+    rows = [[float(100 * (b + 1) + i) for i in range(n)] for b, n in enumerate(lengths)]
     width = max(lengths)
     cache = BatchRotatingKVCache(W, [width - n for n in lengths])
+    layers = [cache, ArraysCache(1)] if recurrent else [cache]
     got = _attended(cache, [[-1.0] * (width - len(r)) + r for r in rows], W)
     assert [g[width - len(r) :] for g, r in zip(got, rows)] == [
         _windows([r], len(r), W)[0] for r in rows
@@ -191,11 +207,18 @@ def test_rollback_sliding_window_batch(lengths, steps):
         K = max(rejected) + 1
         new = [[counter + 10 * j + b for j in range(K)] for b in range(B)]
         counter += 10 * K
-        saved = rollback.checkpoint([cache])
+        saved = rollback.checkpoint(layers)
         got = _attended(cache, new, W)
         assert got == _windows([r + n for r, n in zip(rows, new)], K, W)
-        assert not rollback.undo_rows([cache], saved, K, rejected)  # trimmed
-        rows = [r + n[: K - x] for r, n, x in zip(rows, new, rejected)]
+        kept = [n[: K - x] for n, x in zip(new, rejected)]
+        rows = [r + k for r, k in zip(rows, kept)]
+        replayed = rollback.undo_rows(layers, saved, K, rejected)
+        assert replayed == (recurrent and any(rejected))
+        if replayed:
+            fed = []
+            rollback.replay_rows(_KeysModel(W, fed), layers, kept)
+            for g, r, k in zip(fed[0], rows, kept):
+                assert g[: len(k)] == _windows([r], len(k), W)[0]
         assert cache.offset.tolist() == [len(r) for r in rows]
         for b, r in enumerate(rows):
             kept = cache.extract(b).keys.flatten().tolist()
