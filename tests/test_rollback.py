@@ -84,7 +84,12 @@ def test_supported_kinds():
     assert not rollback.supports([CacheList(KVCache(), _Opaque())])
     assert not rollback.supports([])
     assert rollback.supports_batch([BatchKVCache([0, 1])])
+    assert rollback.supports_batch([BatchKVCache([0]), BatchRotatingKVCache(4, [0])])
     assert not rollback.supports_batch([KVCache()])
+    # The policy counts a replay only where a layer restores.
+    window = BatchRotatingKVCache(4, [0])
+    assert not rollback.replays_rows([BatchKVCache([0]), window])
+    assert rollback.replays_rows([window, ArraysCache(1)])
     assert rollback.describe([KVCache(), _Opaque()]) == "_Opaque"
 
 
