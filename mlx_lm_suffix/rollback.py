@@ -31,9 +31,11 @@ Batch (:data:`BATCH`): ``BatchKVCache`` trims, rows rejecting different
 counts; a batch's ``ArraysCache`` restores, which sends every row back, to
 be fed its kept tokens again in one right-padded forward (:func:`undo_rows`,
 :func:`replay_rows`). ``BatchRotatingKVCache`` (sliding windows, or
-``max_kv_size``, in a batch) is not in the table yet: a multi-token update
-of a wrapped window with left-padded rows does not give the same attention
-as mlx-lm's one-token steps, so such batches generate without drafting.
+``max_kv_size``, in a batch) trims like ``BatchKVCache``, also once wrapped:
+a multi-token update keeps ``max_size - 1`` earlier positions plus the new
+ones in time order, so at least ``max_size`` remain once a row keeps one
+of them, which is all a one-token step after it attends. Where another
+layer restores, it restores too (:data:`EITHER`).
 """
 
 from __future__ import annotations
@@ -78,14 +80,28 @@ class Checkpoint(NamedTuple):
 
 
 def _saved(state: Any) -> Any:
-    # An ArraysCache's state holds the list its layers assign into in place.
-    return tuple(list(v) if isinstance(v, list) else v for v in state)
+    # New handles, sharing the data: an ArraysCache's layers assign into its
+    # list in place, and caches update arrays in place (``left_padding -= n``,
+    # ``keys[..., i] = k``), which changes every handle of the array.
+    def handle(v: Any) -> Any:
+        return mx.array(v) if isinstance(v, mx.array) else v
+
+    return tuple([handle(x) for x in v] if isinstance(v, list) else handle(v) for v in state)
 
 
 def checkpoint(cache: List[Any]) -> Checkpoint:
     """Save what :func:`undo` or :func:`undo_rows` needs, right before a
-    forward (no copy)."""
+    forward of more than one position (no copy).
+
+    A wrapped ``BatchRotatingKVCache`` is put in time order first, as its
+    multi-token update would do (so at no extra cost): mlx-lm 0.32.2's
+    ``make_mask`` builds the mask before that update, from the rotated
+    buffer, and then masks one position too many of a row still holding
+    left padding."""
     kinds = {**SINGLE, **BATCH}
+    for c in _layers(cache):
+        if type(c) is _cache.BatchRotatingKVCache:
+            c._temporal_order()
     return Checkpoint(
         {i: _saved(c.state) for i, c in enumerate(_layers(cache)) if kinds[type(c)] != TRIM}
     )
@@ -152,9 +168,11 @@ def plan(rejected: Sequence[int]) -> Tuple[int, List[int]]:
     return common, [r - common for r in rejected]
 
 
-#: Batch cache kinds and how each undoes positions (per row for ``TRIM``).
+#: Batch cache kinds and how each undoes positions (per row for ``TRIM``;
+#: ``EITHER``: per row where every layer trims, else restore).
 BATCH: Dict[type, str] = {
     _cache.BatchKVCache: TRIM,
+    _cache.BatchRotatingKVCache: EITHER,
     _cache.ArraysCache: RESTORE,
 }
 
@@ -171,21 +189,18 @@ def undo_rows(cache: List[Any], saved: Checkpoint, fed: int, rejected: Sequence[
     checkpoint instead, so that each row's kept tokens must be fed again
     (:func:`replay_rows`).
 
-    Where every layer trims, all rows are trimmed by the smallest count and
+    Where no layer restores, all rows are trimmed by the smallest count and
     each row's remaining rejected positions are rolled into its left
-    padding, which the attention mask ignores (the move
-    ``BatchKVCache.finalize`` makes for right-padded prompts; it copies the
-    cache, so it is skipped when every row rejects the same count)."""
+    padding, which the attention mask ignores (the move ``finalize`` makes
+    for right-padded prompts; it copies the cache, so it is skipped when
+    every row rejects the same count)."""
     if not any(rejected):
         return False
     layers = _layers(cache)
     common, extra = plan(rejected)
-    if all(BATCH[type(c)] == TRIM for c in layers):
+    if not any(BATCH[type(c)] == RESTORE for c in layers):
         for c in layers:
-            _trim(c, common)
-            if any(extra):
-                c.prepare(right_padding=list(extra))
-                c.finalize()
+            _trim_rows(c, common, extra)
         return False
     for i, c in enumerate(layers):
         if i in saved.states:
@@ -193,6 +208,36 @@ def undo_rows(cache: List[Any], saved: Checkpoint, fed: int, rejected: Sequence[
         else:
             _trim(c, fed)
     return True
+
+
+def _trim_rows(c: Any, n: int, extra: Sequence[int]) -> None:
+    """Trim every row of a batch cache by ``n`` and roll row ``i``'s last
+    ``extra[i]`` positions into its left padding."""
+    _trim(c, n)
+    window = type(c) is _cache.BatchRotatingKVCache
+    if window:
+        # Its multi-token update left the buffer in time order; mlx-lm's next
+        # one-token update sizes the window by the buffer, so drop the tail.
+        c.keys, c.values = c.keys[..., : c._idx, :], c.values[..., : c._idx, :]
+    if not any(extra):
+        return
+    if window:
+        # finalize rolls each row by how far its offset then is past its
+        # offset now plus ``lengths``: by ``extra``.
+        c.prepare(lengths=[-e for e in extra], right_padding=list(extra))
+    else:
+        c.prepare(right_padding=list(extra))
+    _finalize(c)
+
+
+def _finalize(c: Any) -> None:
+    """``c.finalize()``, a sliding window's from no left padding where its
+    count went negative (a wrapped row's padding is gone; mlx-lm 0.32.2
+    adds the rolled positions to the count, which then misses them)."""
+    for layer in _layers([c]):
+        if type(layer) is _cache.BatchRotatingKVCache:
+            layer.left_padding = mx.maximum(layer.left_padding, 0)
+        layer.finalize()
 
 
 def replay_rows(model: Any, cache: List[Any], tokens: Sequence[Sequence[int]]) -> None:
@@ -208,13 +253,13 @@ def replay_rows(model: Any, cache: List[Any], tokens: Sequence[Sequence[int]]) -
     model(inputs, cache=cache)
     if any(padding):
         for c in cache:
-            c.finalize()
+            _finalize(c)
 
 
 def replays_rows(cache: List[Any]) -> bool:
     """Whether a rejection in a batch may cost feeding the kept tokens
-    again."""
-    return any(BATCH.get(type(c)) != TRIM for c in _layers(cache))
+    again (a layer restores: :func:`undo_rows`)."""
+    return any(BATCH.get(type(c)) == RESTORE for c in _layers(cache))
 
 
 def kv_rows(cache: List[Any]) -> List[Any]:
@@ -229,6 +274,10 @@ def batch_length_bound(cache: List[Any]) -> Optional[int]:
     without waiting for the forwards queued on it: mlx-lm 0.32.2 keeps each
     row's length in ``offset``, an array that the queued forward's own
     update produces (reading it waits for that), and the filled length of
-    the buffer in an int, ``BatchKVCache._idx``."""
+    the buffer in an int, ``BatchKVCache._idx`` (``BatchRotatingKVCache``:
+    every position fed, ``_offset``)."""
     kv = kv_rows(cache)
-    return kv[0]._idx if kv else None
+    if kv:
+        return kv[0]._idx
+    windows = [c for c in _layers(cache) if type(c) is _cache.BatchRotatingKVCache]
+    return windows[0]._offset if windows else None

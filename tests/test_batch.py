@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
+from test_families import _assert_cache_is_fresh_prefill
 from test_loop import WrongFirstToken
 
 from mlx_lm_suffix.batch import RowOptions, SuffixBatchGenerator
@@ -51,13 +52,16 @@ def _eos(tokenizer):
     return [[t] for t in tokenizer.eos_token_ids]
 
 
-def _run(gen, prompts, max_tokens, **insert_kwargs):
+def _run(gen, prompts, max_tokens, after_step=None, **insert_kwargs):
     """All tokens each sequence emits (its stop token included) and its
-    finishing response; checks that each uid finishes once, last."""
+    finishing response; checks that each uid finishes once, last.
+    ``after_step()`` is called after every step."""
     uids = gen.insert(prompts, max_tokens, **insert_kwargs)
     tokens = {u: [] for u in uids}
     finished = {}
     while responses := gen.next_generated():
+        if after_step is not None:
+            after_step()
         for r in responses:
             assert r.uid not in finished, "response after the finishing one"
             tokens[r.uid].append(r.token)
@@ -354,21 +358,68 @@ def test_rows_join_and_leave_mid_generation(model_and_tokenizer, prompts):
     assert drafter.active_requests == 0
 
 
-def test_rotating_batch_cache_generates_without_drafting(model_and_tokenizer, prompts):
-    """A rotating KV cache (max_kv_size) batches as BatchRotatingKVCache,
-    which the batch does not roll back yet: no drafting, stock outputs."""
-    model, tokenizer = model_and_tokenizer
-    gen = BatchGenerator(model, stop_tokens=_eos(tokenizer), max_kv_size=40)
+def _rows_are_fresh_prefills(model, gen, fresh=None):
+    """A check, to call after every step, that a row of ``gen``'s batch (each
+    in turn) holds what a fresh prefill of its tokens gives (``fresh()``: the
+    empty cache; default the model's). ``check.rows``: the rows checked."""
+
+    def check():
+        batch = gen._generation_batch
+        if len(batch):
+            i = len(checks) % len(batch)
+            what = f"row {i} at {len(batch.tokens[i])} tokens"
+            cache, empty = batch.extract_cache(i), fresh() if fresh else None
+            _assert_cache_is_fresh_prefill(model, cache, batch.tokens[i], what, empty)
+            checks.append(i)
+
+    checks = []
+    check.rows = checks
+    return check
+
+
+def _window_batch_drafts(model, tokenizer, prompts, fresh=None, **kwargs):
+    """Cold and warm passes of a batch of sliding windows: outputs equal
+    stock batched generation's, rows roll back unevenly, and after every
+    step each row's cache is a fresh prefill of its tokens."""
+    gen = BatchGenerator(model, stop_tokens=_eos(tokenizer), **kwargs)
     ref, _ = _run(gen, prompts, [MAX_TOKENS] * len(prompts))
     gen.close()
-    drafter = SuffixDrafter(policy="fixed")
-    for _ in range(2):
-        gen = _suffix_gen(model, tokenizer, drafter, max_kv_size=40)
-        tokens, _ = _run(gen, prompts, [MAX_TOKENS] * len(prompts))
+    drafter, stats = SuffixDrafter(policy="fixed"), BatchDraftStats()
+    checked = 0
+    for round_ in range(2):
+        gen = _suffix_gen(model, tokenizer, drafter, stats=stats, **kwargs)
+        check = _rows_are_fresh_prefills(model, gen, fresh)
+        tokens, finished = _run(gen, prompts, [MAX_TOKENS] * len(prompts), after_step=check)
         gen.close()
-        assert tokens == ref
-        assert gen.draft_stats.verify_steps == 0
-    assert drafter.stats.drafted == 0
+        assert tokens == ref, f"round {round_}"
+        for i, (p, t, f) in enumerate(zip(prompts, tokens, finished)):
+            assert f.all_tokens == p + t
+            fresh_cache = fresh() if fresh else None
+            what = f"round {round_}, row {i} finished"
+            _assert_cache_is_fresh_prefill(model, f.prompt_cache, f.all_tokens, what, fresh_cache)
+        checked += len(check.rows)
+    assert checked > MAX_TOKENS // 2
+    assert stats.verify_steps > 0 and stats.uneven_rollbacks > 0, stats
+    assert stats.replays == 0  # windows trim
+    assert drafter.stats.accepted > MAX_TOKENS
+
+
+def test_rotating_batch_cache_drafts(model_and_tokenizer, prompts):
+    """A rotating KV cache (max_kv_size 40, shorter than most rows) batches
+    as BatchRotatingKVCache, whose rows trim also once wrapped."""
+    model, tokenizer = model_and_tokenizer
+    assert max(len(p) for p in prompts) + MAX_TOKENS > 40
+    fresh = lambda: [RotatingKVCache(40) for _ in model.layers]  # noqa: E731 (stock batches drop keep)
+    _window_batch_drafts(model, tokenizer, prompts, fresh, max_kv_size=40)
+
+
+def test_sliding_window_batch_drafts(tiny_family_path, prompts):
+    """gpt_oss: sliding-window layers (window 16, BatchRotatingKVCache)
+    next to full attention (BatchKVCache) in one batch."""
+    model, tokenizer = load(str(tiny_family_path("gpt_oss")))
+    model.set_dtype(mx.float32)
+    assert any(type(c) is RotatingKVCache for c in make_prompt_cache(model))
+    _window_batch_drafts(model, tokenizer, prompts)
 
 
 def test_sampling_runs_and_respects_lengths(model_and_tokenizer, prompts):

@@ -107,11 +107,14 @@ def _contents(c: Any) -> Tuple[int, List[mx.array]]:
     raise AssertionError(f"unexpected cache kind {type(c).__name__}")
 
 
-def _assert_cache_is_fresh_prefill(model: Any, cache: List[Any], tokens: List[int], what: str) -> None:
+def _assert_cache_is_fresh_prefill(
+    model: Any, cache: List[Any], tokens: List[int], what: str, fresh: Optional[List[Any]] = None
+) -> None:
     """``cache`` holds what one forward over ``tokens`` from an empty cache
-    gives: the same positions, allclose keys/values and recurrent states, and
-    the same next-token logits for a probe token."""
-    fresh = make_prompt_cache(model)
+    (``fresh``, default the model's) gives: the same positions, allclose
+    keys/values and recurrent states, and the same next-token logits for a
+    probe token."""
+    fresh = make_prompt_cache(model) if fresh is None else fresh
     model(mx.array(tokens)[None], cache=fresh)
     for i, (c, f) in enumerate(zip(_layers(cache), _layers(fresh), strict=True)):
         assert type(c) is type(f), what

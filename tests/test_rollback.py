@@ -1,9 +1,16 @@
 """Rollback of rejected positions, per cache kind, without a model."""
 
 import mlx.core as mx
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache, RotatingKVCache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    BatchRotatingKVCache,
+    CacheList,
+    KVCache,
+    RotatingKVCache,
+)
 
 from mlx_lm_suffix import rollback
 
@@ -77,7 +84,12 @@ def test_supported_kinds():
     assert not rollback.supports([CacheList(KVCache(), _Opaque())])
     assert not rollback.supports([])
     assert rollback.supports_batch([BatchKVCache([0, 1])])
+    assert rollback.supports_batch([BatchKVCache([0]), BatchRotatingKVCache(4, [0])])
     assert not rollback.supports_batch([KVCache()])
+    # The policy counts a replay only where a layer restores.
+    window = BatchRotatingKVCache(4, [0])
+    assert not rollback.replays_rows([BatchKVCache([0]), window])
+    assert rollback.replays_rows([window, ArraysCache(1)])
     assert rollback.describe([KVCache(), _Opaque()]) == "_Opaque"
 
 
@@ -115,3 +127,104 @@ def test_undo_restores_what_cannot_trim():
     saved = rollback.checkpoint([s])
     s[0] = mx.array([2.0])
     assert rollback.undo([s], saved, 1, 1) == 0 and s[0].item() == 1.0
+
+
+def _attended(c, block, window):
+    """Feed ``block`` (one list of values per row) to a batch cache as keys
+    and values; for every row and fed position, the sorted values its
+    attention mask lets it see."""
+    B, N = len(block), len(block[0])
+    mask = c.make_mask(N, window_size=window)
+    keys, _ = c.update_and_fetch(_kv(block).reshape(B, 1, N, 1), _kv(block).reshape(B, 1, N, 1))
+    mask = mx.broadcast_to(mask, (B, 1, N, keys.shape[2])).tolist()
+    seen = keys[:, 0, :, 0].tolist()
+    return [
+        [sorted(v for v, m in zip(seen[b], mask[b][0][j]) if m) for j in range(N)]
+        for b in range(B)
+    ]
+
+
+class _KeysModel:
+    """A model whose forward feeds its tokens to its first cache as keys and
+    values, and records what each position attends."""
+
+    def __init__(self, window, seen):
+        self.window, self.seen = window, seen
+
+    def __call__(self, inputs, cache):
+        self.seen.append(_attended(cache[0], inputs.astype(mx.float32).tolist(), self.window))
+
+
+def _windows(rows, n, window):
+    """What stock's one-token steps attend for the last ``n`` values of each
+    row: the ``window`` values up to each."""
+    return [
+        [sorted(r[max(0, len(r) - n + j + 1 - window) : len(r) - n + j + 1]) for j in range(n)]
+        for r in rows
+    ]
+
+
+@settings(max_examples=60, deadline=None)
+@example(lengths=[1, 6], steps=[1, [2, 0, 0, 0]], recurrent=False)  # wrapped, a row padded
+@example(lengths=[2, 2], steps=[9, [0, 3, 0, 0]], recurrent=False)  # rolled, padding gone
+@example(lengths=[2, 5], steps=[7, [1, 1, 0, 0]], recurrent=True)  # replays one token
+@given(
+    lengths=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    steps=st.lists(
+        st.one_of(
+            st.integers(1, 12),  # this many one-token steps (stock's decoding)
+            st.lists(st.integers(0, 5), min_size=4, max_size=4),  # a verification
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    recurrent=st.booleans(),
+)
+def test_rollback_sliding_window_batch(lengths, steps, recurrent):
+    """A batch of sliding windows (``BatchRotatingKVCache``, window 6; rows
+    left-padded, most wrap): one-token steps and verifications of a block of
+    positions rejecting a different count per row, in any order; with a
+    recurrent layer next to it (``recurrent``), a rejection restores both
+    and each row's kept positions are fed again, right-padded. Every
+    position of every forward attends exactly the last 6 values of its row,
+    as stock's one-token steps do, and each row's cache holds them."""
+    W = 6
+    B = len(lengths)
+    rows = [[float(100 * (b + 1) + i) for i in range(n)] for b, n in enumerate(lengths)]
+    width = max(lengths)
+    cache = BatchRotatingKVCache(W, [width - n for n in lengths])
+    layers = [cache, ArraysCache(1)] if recurrent else [cache]
+    got = _attended(cache, [[-1.0] * (width - len(r)) + r for r in rows], W)
+    assert [g[width - len(r) :] for g, r in zip(got, rows)] == [
+        _windows([r], len(r), W)[0] for r in rows
+    ]
+    counter = 1000.0
+    for step in steps:
+        if isinstance(step, int):
+            for _ in range(step):
+                new = [[counter + b] for b in range(B)]
+                counter += 10
+                got = _attended(cache, new, W)
+                rows = [r + n for r, n in zip(rows, new)]
+                assert got == _windows(rows, 1, W)
+            continue
+        rejected = step[:B]
+        K = max(rejected) + 1
+        new = [[counter + 10 * j + b for j in range(K)] for b in range(B)]
+        counter += 10 * K
+        saved = rollback.checkpoint(layers)
+        got = _attended(cache, new, W)
+        assert got == _windows([r + n for r, n in zip(rows, new)], K, W)
+        kept = [n[: K - x] for n, x in zip(new, rejected)]
+        rows = [r + k for r, k in zip(rows, kept)]
+        replayed = rollback.undo_rows(layers, saved, K, rejected)
+        assert replayed == (recurrent and any(rejected))
+        if replayed:
+            fed = []
+            rollback.replay_rows(_KeysModel(W, fed), layers, kept)
+            for g, r, k in zip(fed[0], rows, kept):
+                assert g[: len(k)] == _windows([r], len(k), W)[0]
+        assert cache.offset.tolist() == [len(r) for r in rows]
+        for b, r in enumerate(rows):
+            kept = cache.extract(b).keys.flatten().tolist()
+            assert len(kept) >= min(len(r), W) and kept == r[-len(kept) :]

@@ -56,6 +56,13 @@ SIGNATURES: Dict[str, Optional[str]] = {
     "mlx_lm.models.cache:ArraysCache.state": None,
     "mlx_lm.models.cache:ArraysCache.prepare": "self, lengths, **kwargs",
     "mlx_lm.models.cache:ArraysCache.finalize": "self",
+    "mlx_lm.models.cache:BatchRotatingKVCache.trim": "self, n",
+    "mlx_lm.models.cache:BatchRotatingKVCache.state": None,
+    "mlx_lm.models.cache:BatchRotatingKVCache.prepare": (
+        "self, left_padding, lengths, right_padding"
+    ),
+    "mlx_lm.models.cache:BatchRotatingKVCache.finalize": "self",
+    "mlx_lm.models.cache:BatchRotatingKVCache._temporal_order": "self",
 
     # batch, verification
     "mlx_lm.generate:GenerationBatch": (
@@ -151,6 +158,14 @@ ATTRIBUTES: Dict[str, Tuple[str, ...]] = {
     ),
     "mlx_lm.models.cache:BatchKVCache.__init__": ("left_padding", "offset", "_idx"),
     "mlx_lm.models.cache:RotatingKVCache.__init__": ("keep", "offset", "max_size"),
+    "mlx_lm.models.cache:BatchRotatingKVCache.__init__": (
+        "keys",
+        "values",
+        "left_padding",
+        "offset",
+        "_idx",
+        "_offset",
+    ),
     "mlx_lm.models.cache:CacheList.__init__": ("caches",),
     "mlx_lm.server:ModelProvider.__init__": ("cli_args", "model", "tokenizer", "model_key"),
     "mlx_lm.server:ResponseGenerator.__init__": ("model_provider", "_stop"),
