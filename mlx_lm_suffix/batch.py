@@ -27,9 +27,11 @@ One call of :meth:`~SuffixGenerationBatch.next`, for a batch of ``B`` rows:
    positions.
 4. Row ``i`` accepts the longest prefix ``a_i`` of ``d_i[1:]`` that equals
    the sampled tokens, emits ``[s_i] + d_i[1:1 + a_i]`` and keeps the sampled
-   token after them as its next pending token. The batch KV cache drops each
-   row's ``K - a_i`` rejected positions (padding included) with
-   :func:`~mlx_lm_suffix.verification.rollback_batch`.
+   token after them as its next pending token. Each row's cache goes back
+   to the tokens it emitted (:func:`~mlx_lm_suffix.rollback.undo_rows`: its
+   rejected positions, padding included, are trimmed or rolled into its left
+   padding; recurrent state is restored and every row's kept tokens fed again
+   with :func:`~mlx_lm_suffix.rollback.replay_rows`).
 5. Emitted tokens pass, one at a time and in order, through the row's stop
    sequence matcher and ``max_tokens`` count, exactly as stock does. A row
    that finishes in the middle of its accepted tokens emits nothing after the
