@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 import mlx_lm  # noqa: F401  (first: mlx_lm_suffix imports mlx_lm)
@@ -331,6 +332,57 @@ def test_exception_in_verification_forward(stock, short_model, logs):
         assert log.count("fault_server: injected fault") == 2
         assert "generation restarted" in log
         assert server.wait_idle()["active_requests"] == 0
+    finally:
+        server.stop()
+
+
+def _widest_forward(log):
+    widths = [int(line.rsplit(" ", 1)[1]) for line in log.splitlines()
+              if line.startswith("fault_server: widest forward ")]
+    return max(widths, default=0)
+
+
+def test_request_cannot_raise_the_draft_limit(tiny_model_path, logs, tmp_path):
+    """--num-draft-tokens 4, requests asking for 10**6: a scripted target
+    repeats a long prompt verbatim, so prompt copies could draft all the
+    rest of it. Every forward mlx-lm-suffix runs (batched, single-request)
+    is at most 4 + 1 wide, and the server keeps serving. (The default,
+    adaptive policy: it drafts as long as allowed on this flat-cost model.)"""
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_lm_suffix.tools.bench import SCRIPT_ENV, prompt_ids_for
+
+    limit = 4
+    tok = load_tokenizer(tiny_model_path)
+    text = _source_text(40, n=600)
+    messages = _messages("Repeat this verbatim:\n" + text)
+    reference = tok.encode(text, add_special_tokens=False)
+    script = tmp_path / "script.jsonl"
+    script.write_text(json.dumps({"prompt_ids": prompt_ids_for(tok, {"messages": messages}),
+                                  "reference_ids": reference}) + "\n")
+    server = Server(
+        tiny_model_path, "--draft", "suffix", "--num-draft-tokens", str(limit),
+        log_dir=logs, name="limit",
+        launcher=[sys.executable, str(FAULT_SERVER)],
+        env={SCRIPT_ENV: str(script), "MLX_LM_SUFFIX_SCRIPT_EOS": str(tok.eos_token_id)},
+    )
+    try:
+        body = {"messages": messages, "max_tokens": len(reference) + 8, "temperature": 0,
+                "num_draft_tokens": 10**6}
+        drafted = 0
+        # Single-request first: its logits processors see only the prompt
+        # tokens not in the prompt cache (as stock's), and the script needs
+        # the prompt's end. Then batched, and batched drafting its cache.
+        for extra in ({"seed": 1}, {}, {}):
+            status, reply = server.post("/v1/chat/completions", {**body, **extra})
+            assert status == 200, reply
+            assert reply["choices"][0]["message"]["content"] == tok.decode(reference)
+            drafted += reply["usage"]["draft_tokens"]
+        assert drafted > len(reference)  # it drafted (the trees, the copies)
+        assert 2 <= _widest_forward(server.log()) <= limit + 1, server.log()
+        with urllib.request.urlopen(server.url + "/health", timeout=30) as r:
+            assert r.status == 200
+        assert greedy(server)[1] in ("stop", "length")
     finally:
         server.stop()
 

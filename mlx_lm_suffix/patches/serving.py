@@ -309,7 +309,8 @@ def scope_key(body: Dict[str, Any], headers: Any) -> str:
 def request_info(handler: Any) -> Optional[RequestInfo]:
     """Validate the suffix fields of a request (after stock validation).
 
-    Raises ``ValueError`` (the handler answers HTTP 400). Normalises the
+    A request's ``num_draft_tokens`` is capped by the server's
+    ``--num-draft-tokens`` (on every path, prompt copies included). Raises ``ValueError`` (the handler answers HTTP 400). Normalises the
     handler's ``requested_draft_model`` so the request batches with others.
     """
     state = state_for(handler.response_generator.cli_args)
@@ -347,6 +348,8 @@ def request_info(handler: Any) -> Optional[RequestInfo]:
         raise ValueError("stream_options must be an object")
     scope = scope_key(handler.body, handler.headers) if state.scope == "user" else None
     handler.requested_draft_model = "default_model"
+    # --num-draft-tokens is a hard limit: a request may lower it, not raise it.
+    n = min(n, state.num_draft_tokens)
     drafting = draft is not None and n > 0
     return RequestInfo(
         drafting=drafting,
