@@ -505,6 +505,9 @@ def _count_usage(gen: Iterator[Any], drafter: SuffixDrafter, usage: RequestUsage
 
 # -------------------------------------------------------------- failures
 _IN_FLIGHT_ATTR = "_mlx_lm_suffix_in_flight"
+#: What a client is told when generation failed (the details go to the log:
+#: one request's failure fails every request of its batch).
+GENERATION_FAILED = "generation failed (details in the server log)"
 
 
 def _in_flight(generator: Any) -> "weakref.WeakSet":
@@ -527,7 +530,8 @@ def generate_restarting(generator: Any, stock_generate: Callable[[Any], None]) -
     Stock ``_run_generate`` runs the loop once: any exception of it (e.g. in
     a batched forward) ends the thread, every later request then fails with
     "generation thread died", and the requests in flight wait for it to
-    notice. Here the requests in flight get the error, the drafter requests
+    notice. Here the requests in flight get a generic error
+    (:data:`GENERATION_FAILED`; the exception goes to the log), the drafter requests
     of the abandoned batch are stopped, and the loop runs again (it keeps the
     loaded model and prompt cache). A loop that fails before taking any
     request (e.g. the model does not load), or once the server is stopping,
@@ -543,9 +547,9 @@ def generate_restarting(generator: Any, stock_generate: Callable[[Any], None]) -
             return stock_generate(generator)
         except Exception as e:
             taken = list(queues)
-            error = RuntimeError(f"generation failed: {type(e).__name__}: {e}")
             for q in taken:
-                q.put(error)  # extra items in finished requests' queues are never read
+                # (extra items in finished requests' queues are never read)
+                q.put(RuntimeError(GENERATION_FAILED))
             state.abandon_batches()
             if generator._stop or not taken:
                 raise
@@ -559,15 +563,17 @@ def generate_restarting(generator: Any, stock_generate: Callable[[Any], None]) -
 def answer_error(handler: Any, error: BaseException) -> None:
     """Answer a POST whose handling raised (stock lets the exception close
     the connection without a response): a JSON error while nothing was
-    sent, an error event on a started stream. A client that went away gets
-    nothing."""
+    sent, an error event on a started stream. A failure in generation is
+    answered with :data:`GENERATION_FAILED` (its details go to the log); a
+    failure before it (the request's own body) with its message. A client
+    that went away gets nothing."""
     handler.close_connection = True
     if isinstance(error, (BrokenPipeError, ConnectionResetError)):
         logger.debug("mlx-lm-suffix: client disconnected: %s", error)
         return
     generating = getattr(handler, _GENERATING_ATTR, False)
     logger.error("mlx-lm-suffix: request failed: %s", error, exc_info=generating)
-    message = str(error) or type(error).__name__
+    message = GENERATION_FAILED if generating else str(error) or type(error).__name__
     buffered = getattr(handler, "_headers_buffer", None)
     try:
         if buffered or buffered is None:  # no header reached the client
