@@ -47,7 +47,7 @@ from typing import (
 from urllib.parse import urlsplit
 
 from ..drafter import SuffixDrafter
-from ..persistence import CacheFile, CacheFileRefused, model_id
+from ..persistence import CacheFile, CacheFileRefused, model_id, vocabulary_size
 from ..stats import BatchDraftStats, RequestUsage
 from .args import SUFFIX, drafter_from_args, enabled
 
@@ -139,7 +139,9 @@ class SuffixServing:
             # Kept on the model (modules are unhashable dicts).
             object.__setattr__(model, _MODEL_ATTR, entry)
             if self.cache_file is not None:
-                entry.persisted = self.cache_file.attach(entry.model_id, entry.drafter)
+                entry.persisted = self.cache_file.attach(
+                    entry.model_id, entry.drafter, vocabulary_size(model, tokenizer)
+                )
             return entry
 
     def save(self) -> None:
