@@ -284,29 +284,32 @@ def _post_result(server, text, **extra):
     return status, reply.get("error")
 
 
-def test_exception_in_verification_forward(stock, short_model, logs):
+def test_exception_in_verification_forward(stock, tiny_model_path, logs):
+    """(The faulty server loads the tiny model itself, short_model's weights
+    with a long context: a batch of rows past 256 tokens still drafts.)"""
     text, other = _source_text(20), _source_text(21, n=80)
     status, ref = stock.post("/v1/chat/completions", {
         "messages": _messages(text), "max_tokens": 32, "temperature": 0, "logprobs": True})
     ids = [t["id"] for t in ref["choices"][0]["logprobs"]["content"]]
     ref_text = ref["choices"][0]["message"]["content"]
     other_ref = _post_result(stock, other)
-    marker = _marker(short_model, [text, other, "after"], ids)
+    marker = _marker(tiny_model_path, [text, other, "after"], ids)
     server = Server(
-        short_model, *SUFFIX, log_dir=logs, name="fault",
+        tiny_model_path, *SUFFIX, log_dir=logs, name="fault",
         launcher=[sys.executable, str(FAULT_SERVER)],
         env={"FAULT_TOKEN": str(marker), "FAULT_MAX": "2"},
     )
     try:
         # No drafting: single-token forwards only; the response gets cached.
         assert _post_result(server, text, num_draft_tokens=0) == (200, ref_text)
-        # Batched: a streamed request is generating when the repeated request
-        # joins its batch, drafts its cached response, and the verification
-        # forward raises. Both fail with the same generic error: neither gets
-        # the exception's text, which goes to the log.
+        # Batched: a streamed request is generating (1000 tokens, no EOS
+        # before) when the repeated request joins its batch, drafts its
+        # cached response, and the verification forward raises. Both fail
+        # with the same generic error: neither gets the exception's text,
+        # which goes to the log.
         stream = server.client().chat.completions.create(
             model="default_model", messages=_messages(other), temperature=0,
-            max_tokens=150, stream=True)
+            max_tokens=1000, stream=True)
         next(iter(stream))  # it is generating
         fault = _post_result(server, text)
         with pytest.raises(Exception) as streamed:
