@@ -437,6 +437,8 @@ class SuffixDrafter:
         return n
 
     def cached_responses(self) -> List[Tuple[Hashable, List[int]]]:
-        """The cached responses, oldest first."""
+        """The cached responses, oldest first. The token lists are the
+        drafter's own (not copied, so this is quick under the lock): read
+        them, never change them."""
         with self._lock:
-            return [(s, list(t)) for s, t in self._cached.values()]
+            return list(self._cached.values())

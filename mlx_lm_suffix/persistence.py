@@ -3,17 +3,25 @@ start-up.
 
 Schema (version :data:`CACHE_FILE_VERSION`)::
 
-    {"format": "mlx-lm-suffix-cache", "version": 1, "model": "<model id>",
-     "responses": [{"scope": <scope or null>, "tokens": [int, ...]}, ...]}
+    {"format": "mlx-lm-suffix-cache", "version": 2, "model": "<model id>",
+     "responses": [{"scope": <scope or null>, "tokens": "<base64>"}, ...]}
 
-Saves are atomic (write a temp file in the same folder, fsync, rename).
+``scope`` is null (the global scope) or a string; ``tokens`` is the base64
+of the response's token ids as little-endian int32 (version 1, also read:
+a list of ints), each an id of the model's vocabulary. Saves are atomic
+(write a temp file in the same folder, fsync, rename).
+
 :class:`CacheFile` is the file of one ``mlx_lm.server --draft suffix
 --suffix-cache-file PATH``: read at start-up, saved in the background, on
-SIGTERM and at shutdown, never replaced by another model's responses.
+SIGTERM and at shutdown, never replaced by another model's responses. Any
+other file that is not a valid one gives one warning and an empty cache,
+and is left as it is until a save of new responses replaces it.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import hashlib
 import json
@@ -24,8 +32,15 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator, List, Optional, Tuple
 
+import numpy as np
+
 CACHE_FILE_FORMAT = "mlx-lm-suffix-cache"
-CACHE_FILE_VERSION = 1
+CACHE_FILE_VERSION = 2
+# Versions read: 1 (tokens as lists of ints) and 2.
+_READ_VERSIONS = (1, 2)
+# Token ids as saved (version 2); the suffix trees take int32 ids.
+_TOKEN_DTYPE = np.dtype("<i4")
+_MAX_TOKEN_ID = 2**31 - 1
 #: Least time between two background saves of a :class:`CacheFile`.
 SAVE_INTERVAL_S = float(os.environ.get("MLX_LM_SUFFIX_SAVE_INTERVAL", "5"))
 
@@ -61,20 +76,38 @@ def model_id(model_path: str, tokenizer: Any) -> str:
     return f"{name}|vocab={len(vocab)}|sha256={h.hexdigest()[:16]}"
 
 
+def vocabulary_size(model: Any, tokenizer: Any) -> int:
+    """How many token ids ``model`` embeds: its ``vocab_size`` (or its text
+    config's), else the size of ``tokenizer``'s vocabulary."""
+    args = getattr(model, "args", None)
+    n = getattr(args, "vocab_size", None)
+    if not isinstance(n, int):
+        text = getattr(args, "text_config", None)
+        n = text.get("vocab_size") if isinstance(text, dict) else None
+    return n if isinstance(n, int) and n > 0 else len(tokenizer.get_vocab())
+
+
 def save_cache_file(drafter: Any, path: str | os.PathLike, model_id: str) -> None:
-    """Write ``drafter``'s cached responses to ``path`` atomically."""
+    """Write ``drafter``'s cached responses to ``path`` atomically.
+
+    The responses are taken under the drafter's lock without copying them,
+    and encoded after it, one at a time (so generation is not held up for
+    long: a save of 4M tokens holds the GIL for microseconds at a time)."""
     path = Path(path)
-    data = {
-        "format": CACHE_FILE_FORMAT,
-        "version": CACHE_FILE_VERSION,
-        "model": model_id,
-        "responses": [{"scope": s, "tokens": t} for s, t in drafter.cached_responses()],
-    }
+    responses = drafter.cached_responses()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
+            f.write(
+                f'{{"format":{json.dumps(CACHE_FILE_FORMAT)},"version":{CACHE_FILE_VERSION},'
+                f'"model":{json.dumps(model_id)},"responses":['
+            )
+            for i, (scope, tokens) in enumerate(responses):
+                packed = np.asarray(tokens, dtype=_TOKEN_DTYPE).tobytes()
+                entry = json.dumps({"scope": scope, "tokens": base64.b64encode(packed).decode()})
+                f.write("," + entry if i else entry)
+            f.write("]}")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -84,19 +117,45 @@ def save_cache_file(drafter: Any, path: str | os.PathLike, model_id: str) -> Non
         raise
 
 
-def read_cache_file(path: str | os.PathLike, model_id: str) -> List[Tuple[Any, List[int]]]:
-    """Read responses saved by :func:`save_cache_file`.
+def _tokens(saved: Any, version: int) -> Optional[List[int]]:
+    """The token ids of a saved response (None: not valid ones)."""
+    if version == 1:
+        valid = isinstance(saved, list) and (
+            not saved
+            or (set(map(type, saved)) == {int} and 0 <= min(saved) and max(saved) <= _MAX_TOKEN_ID)
+        )
+        return saved if valid else None
+    if not isinstance(saved, str):
+        return None
+    try:
+        packed = base64.b64decode(saved, validate=True)
+    except binascii.Error:
+        return None
+    if len(packed) % _TOKEN_DTYPE.itemsize:
+        return None
+    tokens = np.frombuffer(packed, dtype=_TOKEN_DTYPE)
+    return tokens.tolist() if not tokens.size or tokens.min() >= 0 else None
+
+
+def read_cache_file(
+    path: str | os.PathLike, model_id: str, vocab_size: Optional[int] = None
+) -> List[Tuple[Any, List[int]]]:
+    """Read responses saved by :func:`save_cache_file`: ``(scope, tokens)``
+    pairs, each token in ``[0, vocab_size)`` when ``vocab_size`` is given.
 
     Raises ``FileNotFoundError`` when missing, :class:`OtherModelError` when
     it was made for another model (whatever its version), and
-    :class:`CacheFileError` when it is unreadable or corrupt."""
+    :class:`CacheFileError` for anything else that is not a valid file."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except FileNotFoundError:
         raise
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CacheFileError(f"suffix cache file {path} is not readable: {e}") from e
+    except (OSError, ValueError, RecursionError) as e:
+        # ValueError: invalid JSON or UTF-8, or an integer of too many digits.
+        raise CacheFileError(
+            f"suffix cache file {path} is not readable: {type(e).__name__}: {e}"
+        ) from e
     if not isinstance(data, dict) or data.get("format") != CACHE_FILE_FORMAT:
         raise CacheFileError(f"{path} is not an mlx-lm-suffix cache file")
     stored = data.get("model")
@@ -108,20 +167,39 @@ def read_cache_file(path: str | os.PathLike, model_id: str) -> List[Tuple[Any, L
         if isinstance(stored, str):
             raise OtherModelError(message, stored)
         raise CacheFileError(message)
-    if data.get("version") != CACHE_FILE_VERSION:
+    version = data.get("version")
+    if version not in _READ_VERSIONS or isinstance(version, bool):
         raise CacheFileError(
-            f"{path} has cache format version {data.get('version')!r}, "
-            f"expected {CACHE_FILE_VERSION}"
+            f"{path} has cache format version {version!r}, expected one of {_READ_VERSIONS}"
         )
+    responses = data.get("responses")
+    if not isinstance(responses, list):
+        raise CacheFileError(f"{path}: 'responses' is not a list")
     out = []
-    for r in data.get("responses", []):
-        tokens = r.get("tokens") if isinstance(r, dict) else None
-        if not isinstance(tokens, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
-        ):
-            raise CacheFileError(f"{path} has a malformed response entry")
-        out.append((r.get("scope"), tokens))
+    for i, r in enumerate(responses):
+        tokens = _tokens(r.get("tokens"), version) if isinstance(r, dict) else None
+        if tokens is None:
+            raise CacheFileError(f"{path}: response {i} has no valid token ids")
+        scope = r.get("scope")
+        if scope is not None and not isinstance(scope, str):
+            raise CacheFileError(f"{path}: response {i} has a scope that is not a string")
+        out.append((scope, tokens))
+    if vocab_size is not None:
+        check_vocabulary(path, out, vocab_size)
     return out
+
+
+def check_vocabulary(
+    path: str | os.PathLike, responses: List[Tuple[Any, List[int]]], vocab_size: int
+) -> None:
+    """Raise :class:`CacheFileError` when a token of ``responses`` (read
+    from ``path``) is not below ``vocab_size``."""
+    for i, (_, tokens) in enumerate(responses):
+        if tokens and max(tokens) >= vocab_size:
+            raise CacheFileError(
+                f"{path}: response {i} has token id {max(tokens)}, past the "
+                f"model's vocabulary of {vocab_size}"
+            )
 
 
 class CacheFile:
@@ -182,23 +260,32 @@ class CacheFile:
             self._disabled = True
             return
         except CacheFileError as e:
-            logger.warning(
-                "mlx-lm-suffix: %s; starting with an empty suffix cache (the file "
-                "will be overwritten)",
-                e,
-            )
+            self._warn(e)
         self._model = expected
 
-    def attach(self, model_id: str, drafter: Any) -> bool:
+    def _warn(self, error: CacheFileError) -> None:
+        logger.warning(
+            "mlx-lm-suffix: %s; starting with an empty suffix cache (the file is "
+            "left as it is until new responses are saved to it)",
+            error,
+        )
+
+    def attach(self, model_id: str, drafter: Any, vocab_size: Optional[int] = None) -> bool:
         """A model was loaded: warm its ``drafter`` (None: it cannot draft)
-        from the file if the file belongs to it. Returns whether the file
-        saves this drafter."""
+        from the file if the file belongs to it and every token id is below
+        ``vocab_size``. Returns whether the file saves this drafter."""
         with self._lock:
             if not self._disabled and self._drafter is None:
                 if not self._checked:
                     # No --model: the first model loaded claims the file.
                     self._read(model_id, refuse=False)
                 if not self._disabled and model_id == self._model and drafter is not None:
+                    if vocab_size is not None:
+                        try:
+                            check_vocabulary(self.path, self._responses, vocab_size)
+                        except CacheFileError as e:
+                            self._warn(e)
+                            self._responses = []
                     n = drafter.add_responses(self._responses)
                     self._responses = []
                     self._drafter = drafter

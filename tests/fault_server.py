@@ -1,7 +1,14 @@
 """Test-only launcher: ``mlx_lm.server`` (patched by mlx-lm-suffix as
-usual) whose loaded models raise in chosen forwards.
+usual) whose loaded models raise in chosen forwards and report the widest
+forward that mlx-lm-suffix runs. Started as the bench's scripted server
+(``mlx_lm_suffix.tools.bench.serve_main``): with ``$MLX_LM_SUFFIX_SCRIPT``
+the greedy outputs follow a script.
 
     python tests/fault_server.py --model ... --draft suffix ...
+
+Every forward that the loop, the batch or a rollback of mlx-lm-suffix runs
+(not mlx-lm's prompt processing, nor the policy's cost measurement) that is
+wider per row than all before it prints ``fault_server: widest forward N``.
 
 Environment:
 
@@ -22,9 +29,14 @@ import sys
 import mlx.core as mx
 import mlx_lm.server as server
 
+from mlx_lm_suffix.tools.bench import serve_main
+
 FAULT_TOKEN = int(os.environ.get("FAULT_TOKEN", "-1"))
 FAULT_MAX = int(os.environ.get("FAULT_MAX", "1"))
 _faults = [0]
+_widest = [0]
+# The modules whose forwards verify drafts (or replay them).
+_DRAFTING = {"mlx_lm_suffix.loop", "mlx_lm_suffix.batch", "mlx_lm_suffix.rollback"}
 
 
 def _offset(cache):
@@ -44,6 +56,14 @@ def _should_fail(inputs, cache) -> bool:
     return bool(mx.any(inputs == FAULT_TOKEN).item())
 
 
+def _note_width(inputs) -> None:
+    caller = sys._getframe(2).f_globals.get("__name__")
+    width = inputs.shape[-1]
+    if caller in _DRAFTING and width > _widest[0]:
+        _widest[0] = width
+        print(f"fault_server: widest forward {width}", file=sys.stderr, flush=True)
+
+
 def _make_faulty(model) -> None:
     cls = type(model)
     if getattr(cls, "_fault_injected", False):
@@ -51,6 +71,7 @@ def _make_faulty(model) -> None:
 
     def __call__(self, inputs, *args, **kwargs):
         cache = kwargs.get("cache", args[0] if args else None)
+        _note_width(inputs)
         if _should_fail(inputs, cache):
             _faults[0] += 1
             print(f"fault_server: injected fault {_faults[0]} "
@@ -75,4 +96,4 @@ server.ModelProvider._load = _faulty_load
 
 if __name__ == "__main__":
     sys.argv[0] = "mlx_lm.server"
-    server.main()
+    serve_main()

@@ -13,11 +13,13 @@ import signal
 import socket
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 import mlx_lm  # noqa: F401  (first: mlx_lm_suffix imports mlx_lm)
 import pytest
 
+from mlx_lm_suffix.patches.serving import GENERATION_FAILED
 from mlx_lm_suffix.persistence import read_cache_file
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -282,46 +284,50 @@ def _post_result(server, text, **extra):
     return status, reply.get("error")
 
 
-def test_exception_in_verification_forward(stock, short_model, logs):
-    text, other = _source_text(20), _source_text(21, n=300)
+def test_exception_in_verification_forward(stock, tiny_model_path, logs):
+    """(The faulty server loads the tiny model itself, short_model's weights
+    with a long context: a batch of rows past 256 tokens still drafts.)"""
+    text, other = _source_text(20), _source_text(21, n=80)
     status, ref = stock.post("/v1/chat/completions", {
         "messages": _messages(text), "max_tokens": 32, "temperature": 0, "logprobs": True})
     ids = [t["id"] for t in ref["choices"][0]["logprobs"]["content"]]
     ref_text = ref["choices"][0]["message"]["content"]
     other_ref = _post_result(stock, other)
-    marker = _marker(short_model, [text, other, "after"], ids)
+    marker = _marker(tiny_model_path, [text, other, "after"], ids)
     server = Server(
-        short_model, *SUFFIX, log_dir=logs, name="fault",
+        tiny_model_path, *SUFFIX, log_dir=logs, name="fault",
         launcher=[sys.executable, str(FAULT_SERVER)],
         env={"FAULT_TOKEN": str(marker), "FAULT_MAX": "2"},
     )
     try:
         # No drafting: single-token forwards only; the response gets cached.
         assert _post_result(server, text, num_draft_tokens=0) == (200, ref_text)
-        # Batched: the repeated request drafts its cached response, and the
-        # verification forward raises. A concurrent request shares the batch.
-        results = {}
-
-        def run(key, t):
-            results[key] = _post_result(server, t)
-
-        threads = [threading.Thread(target=run, args=("fault", text)),
-                   threading.Thread(target=run, args=("other", other))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert results["fault"][0] == 500 and "injected fault" in results["fault"][1]
-        # The other one shared the failed forward (fails cleanly) or not.
-        assert results["other"] == other_ref or results["other"][0] == 500
+        # Batched: a streamed request is generating (1000 tokens, no EOS
+        # before) when the repeated request joins its batch, drafts its
+        # cached response, and the verification forward raises. Both fail
+        # with the same generic error: neither gets the exception's text,
+        # which goes to the log.
+        stream = server.client().chat.completions.create(
+            model="default_model", messages=_messages(other), temperature=0,
+            max_tokens=1000, stream=True)
+        next(iter(stream))  # it is generating
+        fault = _post_result(server, text)
+        with pytest.raises(Exception) as streamed:
+            for _ in stream:
+                pass
+        assert fault == (500, GENERATION_FAILED)
+        assert GENERATION_FAILED in str(streamed.value)
+        assert "injected" not in str(streamed.value)
         assert server.wait_idle()["active_requests"] == 0
         # Single-request path (seed): the stream ends with an error event.
-        with pytest.raises(Exception, match="injected fault"):
+        with pytest.raises(Exception) as single:
             stream = server.client().chat.completions.create(
                 model="default_model", messages=_messages(text), temperature=0,
                 max_tokens=32, seed=1, stream=True)
             for _ in stream:
                 pass
+        assert GENERATION_FAILED in str(single.value)
+        assert "injected" not in str(single.value)
         assert server.wait_idle()["active_requests"] == 0
         # The server keeps serving, outputs equal stock's.
         assert _post_result(server, text) == (200, ref_text)
@@ -329,8 +335,61 @@ def test_exception_in_verification_forward(stock, short_model, logs):
         assert _post_result(server, text, seed=1) == (200, ref_text)
         log = server.log()
         assert log.count("fault_server: injected fault") == 2
+        # The details, in the log (the traceback of each failure).
+        assert log.count("RuntimeError: injected fault: token") >= 2
         assert "generation restarted" in log
         assert server.wait_idle()["active_requests"] == 0
+    finally:
+        server.stop()
+
+
+def _widest_forward(log):
+    widths = [int(line.rsplit(" ", 1)[1]) for line in log.splitlines()
+              if line.startswith("fault_server: widest forward ")]
+    return max(widths, default=0)
+
+
+def test_request_cannot_raise_the_draft_limit(tiny_model_path, logs, tmp_path):
+    """--num-draft-tokens 4, requests asking for 10**6: a scripted target
+    repeats a long prompt verbatim, so prompt copies could draft all the
+    rest of it. Every forward mlx-lm-suffix runs (batched, single-request)
+    is at most 4 + 1 wide, and the server keeps serving. (The default,
+    adaptive policy: it drafts as long as allowed on this flat-cost model.)"""
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_lm_suffix.tools.bench import SCRIPT_ENV, prompt_ids_for
+
+    limit = 4
+    tok = load_tokenizer(tiny_model_path)
+    text = _source_text(40, n=600)
+    messages = _messages("Repeat this verbatim:\n" + text)
+    reference = tok.encode(text, add_special_tokens=False)
+    script = tmp_path / "script.jsonl"
+    script.write_text(json.dumps({"prompt_ids": prompt_ids_for(tok, {"messages": messages}),
+                                  "reference_ids": reference}) + "\n")
+    server = Server(
+        tiny_model_path, "--draft", "suffix", "--num-draft-tokens", str(limit),
+        log_dir=logs, name="limit",
+        launcher=[sys.executable, str(FAULT_SERVER)],
+        env={SCRIPT_ENV: str(script), "MLX_LM_SUFFIX_SCRIPT_EOS": str(tok.eos_token_id)},
+    )
+    try:
+        body = {"messages": messages, "max_tokens": len(reference) + 8, "temperature": 0,
+                "num_draft_tokens": 10**6}
+        drafted = 0
+        # Single-request first: its logits processors see only the prompt
+        # tokens not in the prompt cache (as stock's), and the script needs
+        # the prompt's end. Then batched, and batched drafting its cache.
+        for extra in ({"seed": 1}, {}, {}):
+            status, reply = server.post("/v1/chat/completions", {**body, **extra})
+            assert status == 200, reply
+            assert reply["choices"][0]["message"]["content"] == tok.decode(reference)
+            drafted += reply["usage"]["draft_tokens"]
+        assert drafted > len(reference)  # it drafted (the trees, the copies)
+        assert 2 <= _widest_forward(server.log()) <= limit + 1, server.log()
+        with urllib.request.urlopen(server.url + "/health", timeout=30) as r:
+            assert r.status == 200
+        assert greedy(server)[1] in ("stop", "length")
     finally:
         server.stop()
 

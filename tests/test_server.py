@@ -653,6 +653,48 @@ def test_corrupt_cache_file_starts_empty(tiny_model_path, logs, tmp_path):
     assert len(read_cache_file(cache_file, _model_id(tiny_model_path))) == 2
 
 
+@pytest.mark.parametrize("case", ["scope a list", "token past the vocabulary"])
+def test_malformed_cache_file_warns_and_serves(tiny_model_path, logs, tmp_path, case):
+    """A file the start-up check rejects (a scope that is a list) and one
+    only the model's vocabulary rejects (checked at load; its bad response
+    would be drafted by the request below): one warning naming the file, an
+    empty cache, /health 200, requests served, the file left as it was
+    until a response is saved over it. (More cases: tests/test_persistence.py.)"""
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_lm_suffix.tools.bench import prompt_ids_for
+
+    text = _source_text(86)
+    tail = prompt_ids_for(load_tokenizer(tiny_model_path), {"messages": _messages(text)})[-64:]
+    vocab = json.loads((Path(tiny_model_path) / "config.json").read_text())["vocab_size"]
+    bad = (
+        {"scope": ["alice"], "tokens": tail + [1, 2]}
+        if case == "scope a list"
+        else {"scope": None, "tokens": tail + [vocab + 5] * 8}
+    )
+    cache_file = tmp_path / "suffix-cache.json"
+    cache_file.write_text(json.dumps({
+        "format": "mlx-lm-suffix-cache", "version": 1, "model": _model_id(tiny_model_path),
+        "responses": [{"scope": None, "tokens": tail + [1, 2]}, bad]}))
+    before = cache_file.read_bytes()
+    server = Server(tiny_model_path, *SUFFIX_FIXED, "--suffix-cache-file", cache_file,
+                    log_dir=logs, name="malformed-" + case.replace(" ", "-"))
+    try:
+        assert server.stats()["cached_requests"] == 0
+        with urllib.request.urlopen(server.url + "/health", timeout=30) as r:
+            assert r.status == 200
+        warnings = [line for line in server.log().splitlines() if "WARNING" in line]
+        assert len(warnings) == 1 and str(cache_file) in warnings[0], warnings
+        assert cache_file.read_bytes() == before
+        first = _chat(server.client(), text)
+        again = _chat(server.client(), text)
+        assert again[:2] == first[:2] and again[1] in ("stop", "length")
+        assert server.wait_idle()["cached_requests"] == 2
+    finally:
+        assert server.stop() == 0
+    assert len(read_cache_file(cache_file, _model_id(tiny_model_path), vocab)) == 2
+
+
 def test_cache_file_of_another_model_is_refused(tiny_model_path, logs, tmp_path):
     cache_file = tmp_path / "suffix-cache.json"
     drafter = SuffixDrafter()

@@ -173,7 +173,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="Warm the suffix cache from PATH at start-up and save new responses "
         "to it (atomically; on shutdown and at most every "
-        f"{SAVE_INTERVAL_S:g} s). A missing or corrupt file starts empty.",
+        f"{SAVE_INTERVAL_S:g} s). A missing or invalid file starts empty (one "
+        "warning; the file is kept until new responses are saved to it).",
     )
 
 

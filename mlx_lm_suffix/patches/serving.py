@@ -48,7 +48,7 @@ from typing import (
 from urllib.parse import urlsplit
 
 from ..drafter import PRIVATE, SuffixDrafter
-from ..persistence import CacheFile, CacheFileRefused, model_id
+from ..persistence import CacheFile, CacheFileRefused, model_id, vocabulary_size
 from ..stats import BatchDraftStats, RequestUsage
 from .args import HEADER_SCOPE, SUFFIX, drafter_from_args, enabled
 
@@ -142,7 +142,9 @@ class SuffixServing:
             # Kept on the model (modules are unhashable dicts).
             object.__setattr__(model, _MODEL_ATTR, entry)
             if self.cache_file is not None:
-                entry.persisted = self.cache_file.attach(entry.model_id, entry.drafter)
+                entry.persisted = self.cache_file.attach(
+                    entry.model_id, entry.drafter, vocabulary_size(model, tokenizer)
+                )
             return entry
 
     def save(self) -> None:
@@ -335,7 +337,8 @@ def scope_key(body: Dict[str, Any], headers: Any, mode: str = "user") -> Hashabl
 def request_info(handler: Any) -> Optional[RequestInfo]:
     """Validate the suffix fields of a request (after stock validation).
 
-    Raises ``ValueError`` (the handler answers HTTP 400). Normalises the
+    A request's ``num_draft_tokens`` is capped by the server's
+    ``--num-draft-tokens`` (on every path, prompt copies included). Raises ``ValueError`` (the handler answers HTTP 400). Normalises the
     handler's ``requested_draft_model`` so the request batches with others.
     """
     state = state_for(handler.response_generator.cli_args)
@@ -375,6 +378,8 @@ def request_info(handler: Any) -> Optional[RequestInfo]:
     if state.scope != "global":
         scope = scope_key(handler.body, handler.headers, state.scope)
     handler.requested_draft_model = "default_model"
+    # --num-draft-tokens is a hard limit: a request may lower it, not raise it.
+    n = min(n, state.num_draft_tokens)
     drafting = draft is not None and n > 0
     return RequestInfo(
         drafting=drafting,
@@ -530,6 +535,9 @@ def _count_usage(gen: Iterator[Any], drafter: SuffixDrafter, usage: RequestUsage
 
 # -------------------------------------------------------------- failures
 _IN_FLIGHT_ATTR = "_mlx_lm_suffix_in_flight"
+#: What a client is told when generation failed (the details go to the log:
+#: one request's failure fails every request of its batch).
+GENERATION_FAILED = "generation failed (details in the server log)"
 
 
 def _in_flight(generator: Any) -> "weakref.WeakSet":
@@ -552,7 +560,8 @@ def generate_restarting(generator: Any, stock_generate: Callable[[Any], None]) -
     Stock ``_run_generate`` runs the loop once: any exception of it (e.g. in
     a batched forward) ends the thread, every later request then fails with
     "generation thread died", and the requests in flight wait for it to
-    notice. Here the requests in flight get the error, the drafter requests
+    notice. Here the requests in flight get a generic error
+    (:data:`GENERATION_FAILED`; the exception goes to the log), the drafter requests
     of the abandoned batch are stopped, and the loop runs again (it keeps the
     loaded model and prompt cache). A loop that fails before taking any
     request (e.g. the model does not load), or once the server is stopping,
@@ -568,9 +577,9 @@ def generate_restarting(generator: Any, stock_generate: Callable[[Any], None]) -
             return stock_generate(generator)
         except Exception as e:
             taken = list(queues)
-            error = RuntimeError(f"generation failed: {type(e).__name__}: {e}")
             for q in taken:
-                q.put(error)  # extra items in finished requests' queues are never read
+                # (extra items in finished requests' queues are never read)
+                q.put(RuntimeError(GENERATION_FAILED))
             state.abandon_batches()
             if generator._stop or not taken:
                 raise
@@ -584,15 +593,17 @@ def generate_restarting(generator: Any, stock_generate: Callable[[Any], None]) -
 def answer_error(handler: Any, error: BaseException) -> None:
     """Answer a POST whose handling raised (stock lets the exception close
     the connection without a response): a JSON error while nothing was
-    sent, an error event on a started stream. A client that went away gets
-    nothing."""
+    sent, an error event on a started stream. A failure in generation is
+    answered with :data:`GENERATION_FAILED` (its details go to the log); a
+    failure before it (the request's own body) with its message. A client
+    that went away gets nothing."""
     handler.close_connection = True
     if isinstance(error, (BrokenPipeError, ConnectionResetError)):
         logger.debug("mlx-lm-suffix: client disconnected: %s", error)
         return
     generating = getattr(handler, _GENERATING_ATTR, False)
     logger.error("mlx-lm-suffix: request failed: %s", error, exc_info=generating)
-    message = str(error) or type(error).__name__
+    message = GENERATION_FAILED if generating else str(error) or type(error).__name__
     buffered = getattr(handler, "_headers_buffer", None)
     try:
         if buffered or buffered is None:  # no header reached the client
