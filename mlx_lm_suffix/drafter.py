@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
@@ -21,6 +20,7 @@ from arctic_inference.suffix_decoding import SuffixDecodingCache
 from .copying import PromptCopy
 from .policy import LONG_MATCH, VerifyCost
 from .policy.rules import Policy
+from .responses import ResponseStore
 from .stats import DraftStats
 
 DEFAULT_NUM_DRAFT_TOKENS = 64
@@ -171,13 +171,8 @@ class SuffixDrafter:
         self._ids = itertools.count()
         self._caches: Dict[Hashable, SuffixDecodingCache] = {}
         self._active: Dict[int, _Request] = {}
-        # Cached responses, oldest first: req_id -> (scope, tokens); and per
-        # scope, its own (req_id -> token count, oldest first) and total.
-        self._cached: "OrderedDict[int, Tuple[Hashable, List[int]]]" = OrderedDict()
-        self._cached_tokens = 0
-        self._scope_cached: "Dict[Hashable, OrderedDict[int, int]]" = {}
-        self._scope_tokens: Dict[Hashable, int] = {}
-        # Responses of active requests, kept to move them into _cached.
+        self._kept = ResponseStore(self.max_cached_requests, self.max_cached_tokens)
+        # Responses of active requests, kept to move them into _kept.
         self._responses: Dict[int, List[int]] = {}
 
     # ------------------------------------------------------------------ state
@@ -187,11 +182,11 @@ class SuffixDrafter:
 
     @property
     def cached_requests(self) -> int:
-        return len(self._cached)
+        return len(self._kept)
 
     @property
     def cached_tokens(self) -> int:
-        return self._cached_tokens
+        return self._kept.tokens
 
     def config(self) -> Dict[str, Any]:
         """The drafter's knobs as a dict (JSON-serialisable)."""
@@ -375,16 +370,10 @@ class SuffixDrafter:
                     self.policy.record(draft, drafted, accepted)
 
     def _keep_response(self, req_id: int, scope: Hashable, response: List[int]) -> None:
-        cache = self._caches[scope]
-        if req_id in cache.cached_requests:
-            if len(response) > self.max_cached_tokens:
-                cache.evict_cached_response(req_id)  # it would evict everything
-            else:
-                self._cached[req_id] = (scope, response)
-                self._cached_tokens += len(response)
-                self._scope_cached.setdefault(scope, OrderedDict())[req_id] = len(response)
-                self._scope_tokens[scope] = self._scope_tokens.get(scope, 0) + len(response)
-                self._evict()
+        if req_id in self._caches[scope].cached_requests:
+            for s, old in self._kept.add(req_id, scope, response):
+                self._caches[s].evict_cached_response(old)
+                self._drop_if_empty(s)
         self._drop_if_empty(scope)
 
     def _drop_if_empty(self, scope: Hashable) -> None:
@@ -397,27 +386,6 @@ class SuffixDrafter:
             and not cache.cached_requests
         ):
             del self._caches[scope]
-
-    def _evict(self) -> None:
-        # The scope holding the most loses its oldest response (ties: the
-        # oldest response of those; req ids grow with time).
-        while self._cached:
-            if self._cached_tokens > self.max_cached_tokens:
-                held = self._scope_tokens
-            elif len(self._cached) > self.max_cached_requests:
-                held = {s: len(own) for s, own in self._scope_cached.items()}
-            else:
-                return
-            scope = max(held, key=lambda s: (held[s], -next(iter(self._scope_cached[s]))))
-            own = self._scope_cached[scope]
-            req_id, n = own.popitem(last=False)
-            del self._cached[req_id]
-            self._cached_tokens -= n
-            self._scope_tokens[scope] -= n
-            if not own:
-                del self._scope_cached[scope], self._scope_tokens[scope]
-            self._caches[scope].evict_cached_response(req_id)
-            self._drop_if_empty(scope)
 
     # ------------------------------------------------------------ persistence
     def add_responses(self, responses: Iterable[Tuple[Hashable, Sequence[int]]]) -> int:
@@ -441,4 +409,4 @@ class SuffixDrafter:
         drafter's own (not copied, so this is quick under the lock): read
         them, never change them."""
         with self._lock:
-            return list(self._cached.values())
+            return self._kept.responses()
