@@ -147,7 +147,13 @@ def simulate_command(
 
 
 @main.command("parity")
-@click.option("--model", default=None, help="Model path or id. Default: the tiny qwen3 model.")
+@click.option(
+    "--model",
+    default=None,
+    help="Model path, Hugging Face id, or a real model's name (smollm2, smollm2-f32, "
+    "smollm2-f16, smollm2-bf16: SmolLM2-135M-Instruct, converted on first use). "
+    "Default: the tiny qwen3 model.",
+)
 @click.option(
     "--prompts",
     "prompts_file",
@@ -200,7 +206,12 @@ def parity_command(
         prompts = par.read_prompts(prompts_file) if prompts_file else par.builtin_prompts()
     except ValueError as e:
         raise click.ClickException(str(e)) from e
-    model_obj, tokenizer = par.load_model(model, dtype)
+    from .gguf import WheelUnavailable
+
+    try:
+        model_obj, tokenizer = par.load_model(model, dtype)
+    except WheelUnavailable as e:
+        raise click.ClickException(str(e)) from e
     results = par.parity(
         model_obj,
         tokenizer,
@@ -220,7 +231,9 @@ def parity_command(
 @click.option(
     "--model",
     default=None,
-    help="Model path or Hugging Face id. Default: the local random-weight model of --family and --size.",
+    help="Model path, Hugging Face id, or a real model's name (smollm2 = 4-bit, smollm2-f32, "
+    "smollm2-f16, smollm2-bf16: SmolLM2-135M-Instruct, converted on first use). "
+    "Default: the local random-weight model of --family and --size.",
 )
 @click.option(
     "--family",
@@ -324,10 +337,14 @@ def bench_command(
     from . import bench as b
 
     b.maybe_reexec_with_openblas(blas)
-    from .models import ensure_model
+    from .gguf import WheelUnavailable
+    from .models import ensure_model, resolve_model
     from .workloads import write_workloads
 
-    model_path = model or str(ensure_model(family, size))
+    try:
+        model_path = resolve_model(model) if model else str(ensure_model(family, size))
+    except WheelUnavailable as e:
+        raise click.ClickException(str(e)) from e
     if scripted is None:
         scripted = model is None or b.is_local_random_model(model_path)
     out = Path(out_dir)
