@@ -398,17 +398,37 @@ def bench_command(
 
 
 @main.command("demo")
-@click.option("--size", type=click.Choice(["tiny", "small", "bench"]), default="small", show_default=True)
-@click.option("--requests", "n_requests", default=6, show_default=True, type=int, help="Requests per workload.")
-@click.option("--max-tokens", default=160, show_default=True, type=int)
+@click.option(
+    "--model",
+    default=None,
+    help="A model folder, a real model's name (smollm2, smollm2-f32, ...), or 'random' "
+    "(the random-weight model of --size, scripted output). Default: SmolLM2-135M-Instruct, "
+    "float32 with a fast BLAS, else 4-bit; the random model where the wheel cannot be had.",
+)
+@click.option(
+    "--size",
+    type=click.Choice(["tiny", "small", "bench"]),
+    default="small",
+    show_default=True,
+    help="Size of the random-weight model (with --model random, or as the fallback).",
+)
+@click.option("--requests", "n_requests", default=2, show_default=True, type=int, help="Requests per workload.")
+@click.option("--max-tokens", default=96, show_default=True, type=int)
+@click.option("--prompt-chars", default=1500, show_default=True, type=int, help="Source length in code-edit prompts.")
 @click.option("--blas", type=click.Choice(["auto", "openblas", "reference"]), default="auto", show_default=True)
-def demo_command(size: str, n_requests: int, max_tokens: int, blas: str) -> None:
-    """Start a stock and a `--draft suffix` mlx_lm.server on a small local
-    model, send agentic and code-edit requests, and compare speed and outputs."""
+def demo_command(
+    model: Optional[str], size: str, n_requests: int, max_tokens: int, prompt_chars: int, blas: str
+) -> None:
+    """Start a stock and a `--draft suffix` mlx_lm.server on a real small
+    model, send agentic and code-edit requests, and compare answers, speed
+    and outputs."""
     from .demo import run_demo
 
     try:
-        results = run_demo(size=size, n_requests=n_requests, max_tokens=max_tokens, blas=blas, echo=click.echo)
+        results = run_demo(
+            model=model, size=size, n_requests=n_requests, max_tokens=max_tokens,
+            prompt_chars=prompt_chars, blas=blas, echo=click.echo,
+        )
     except RuntimeError as e:
         raise click.ClickException(str(e)) from e
     if not all(r["outputs_match"] for r in results.values()):
