@@ -40,11 +40,12 @@ def _pick_model(
 ) -> Tuple[Path, bool]:
     """The model folder and whether it runs scripted (a random model)."""
     from .gguf import WheelUnavailable
-    from .models import ensure_model, resolve_model
+    from .models import REAL_MODELS, ensure_model, resolve_model
 
     if model != "random":
         name = model or default_model(blas)
-        echo(f"Loading the real model {name} (converted on first use) ...")
+        note = " (SmolLM2-135M-Instruct from PyPI, converted on first use)" if name in REAL_MODELS else ""
+        echo(f"Loading {name}{note} ...")
         try:
             path = Path(resolve_model(name, cache_dir))
             return path, bench.is_local_random_model(str(path))
