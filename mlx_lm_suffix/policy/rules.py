@@ -28,7 +28,7 @@ BATCH_MARGIN = 1.2
 
 #: After this many drafts refused for their cost, one is judged by the
 #: prior curve instead (see :class:`Policy`).
-EXPLORE_AFTER = 512
+EXPLORE_AFTER = 256
 
 POLICIES = ("adaptive", "fixed")
 
