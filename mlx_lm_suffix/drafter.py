@@ -219,8 +219,22 @@ class SuffixDrafter:
                 active_requests=self.active_requests,
                 cached_requests=self.cached_requests,
                 cached_tokens=self.cached_tokens,
+                **self._tree_sizes(),
             )
             return d
+
+    def _tree_sizes(self) -> Dict[str, int]:
+        # What the suffix trees themselves hold, counted apart from the
+        # bookkeeping eviction reads: responses in the global trees (those of
+        # active requests included) and the trees' memory estimate in bytes.
+        # Relies on SuffixDecodingCache's _global_tree and _local_trees
+        # (arctic-inference 0.3.0).
+        responses = memory = 0
+        for cache in self._caches.values():
+            responses += cache._global_tree.num_seqs()
+            memory += cache._global_tree.estimate_memory()
+            memory += sum(t.estimate_memory() for t in cache._local_trees.values())
+        return {"tree_responses": responses, "tree_bytes": memory}
 
     def _cache(self, scope: Hashable) -> SuffixDecodingCache:
         cache = self._caches.get(scope)

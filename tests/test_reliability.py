@@ -393,6 +393,10 @@ def test_soak_small(tmp_path):
     assert result["active_requests_end"] == 0
     assert result["bound_violations"] == []
     assert result["max_seen"]["cached_requests"] == 8  # the bound was reached
+    # The trees' own count, apart from the counters eviction reads.
+    assert 0 < result["max_seen"]["tree_cached"] <= 8
+    assert result["tree_responses_end"] == result["cached_requests_end"] == 8
     assert result["max_seen"]["cached_tokens"] <= 1000
-    assert result["accepted"] > 0
+    assert result["rss_growth_after_warmup_mb"] <= result["rss_growth_limit_mb"]
+    assert result["policy"] == "adaptive" and result["accepted"] > 0  # the default policy
     assert json.loads((tmp_path / "soak.json").read_text())["ok"] is True
