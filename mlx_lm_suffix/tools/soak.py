@@ -181,7 +181,7 @@ def run_soak(
     proc = psutil.Process(suffix.proc.pid)
     rss: List[Tuple[float, int]] = []
     seen = {"active": 0, "cached_requests": 0, "cached_tokens": 0, "tree_cached": 0,
-            "tree_bytes": 0, "polls": 0}
+            "polls": 0}
     warm_at: List[float] = []  # when the warm-up ended
     bound_violations: List[Dict[str, Any]] = []
     done = threading.Event()
@@ -204,7 +204,7 @@ def run_soak(
                 for k, key in (("active", "active_requests"),
                                ("cached_requests", "cached_requests"),
                                ("cached_tokens", "cached_tokens"),
-                               ("tree_cached", "tree_cached"), ("tree_bytes", "tree_bytes")):
+                               ("tree_cached", "tree_cached")):
                     seen[k] = max(seen[k], s[key])
                 if (s["cached_requests"] > max_cached_requests
                         or s["tree_cached"] > max_cached_requests
@@ -333,7 +333,7 @@ def run_soak(
         f"soak: active at end {result['active_requests_end']}; max cached "
         f"{seen['cached_requests']}/{max_cached_requests} requests, "
         f"{seen['cached_tokens']}/{max_cached_tokens} tokens, trees {seen['tree_cached']} "
-        f"responses, {seen['tree_bytes'] / 2**20:.1f} MB ({seen['polls']} polls); "
+        f"responses ({seen['polls']} polls); "
         f"acceptance {result['acceptance_rate']:.1%}, {result['tokens_per_step']} tokens/step\n"
         f"soak: RSS first {result['rss_mb']['first']} MB, warm {result['rss_mb']['warm']} MB, "
         f"peak {result['rss_mb']['max']} MB, last {result['rss_mb']['last']} MB; growth after "
