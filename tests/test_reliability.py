@@ -98,6 +98,15 @@ def accepted(server):
     return server.stats()["accepted"]
 
 
+def assert_drafted(server, before):
+    """Drafts were accepted since ``accepted(server)`` was ``before``; else
+    the policy's cost curves, which say why not (adaptive: a wide forward
+    timed during a load spike can make every draft look too dear)."""
+    stats = server.stats()
+    curves = [m.get("verify_cost") for m in stats["models"]]
+    assert stats["accepted"] > before, f"{stats['policy']}: no draft accepted; verify_cost {curves}"
+
+
 def raw_post(server, body: bytes, headers: dict, path="/v1/chat/completions", timeout=30):
     """POST raw bytes; returns (status or None if closed without a reply,
     parsed JSON body or raw bytes)."""
@@ -242,7 +251,7 @@ def test_huge_limits_match_stock(stock, any_suffix):
         assert first_events(suffix, max_tokens=10**12,
                             extra_body={"num_draft_tokens": 10**30}) == ref
     assert suffix.wait_idle()["active_requests"] == 0
-    assert accepted(suffix) > before
+    assert_drafted(suffix, before)
 
 
 def test_prompt_longer_than_context_matches_stock(stock, any_suffix):
@@ -303,7 +312,7 @@ def test_many_clients_disconnect_mid_stream(stock, any_suffix):
         assert greedy(suffix, _source_text(3), max_tokens=24) == reference
     assert "generation loop failed" not in suffix.log()
     assert suffix.wait_idle()["active_requests"] == 0
-    assert accepted(suffix) > before
+    assert_drafted(suffix, before)
 
 
 def _marker(model_path, texts, reference_ids):
