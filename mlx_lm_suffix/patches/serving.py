@@ -183,7 +183,7 @@ class SuffixServing:
         cache file is set), a scope or a header."""
         keys = ("drafted", "accepted", "tokens", "steps", "requests")
         totals = dict.fromkeys(keys, 0)
-        totals.update(active_requests=0, cached_requests=0, cached_tokens=0)
+        totals.update(active_requests=0, cached_requests=0, cached_tokens=0, tree_responses=0)
         batch = BatchDraftStats()
         models = []
         with self._lock:

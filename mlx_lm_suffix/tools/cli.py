@@ -445,11 +445,14 @@ def demo_command(
 @click.option("--max-cached-requests", default=50, show_default=True)
 @click.option("--max-cached-tokens", default=20000, show_default=True)
 @click.option("--seed", default=0, show_default=True)
+@click.option("--rss-growth-limit-mb", default=None, type=float,
+              help="Most RSS growth after the warm-up (the first fifth of the requests). "
+                   "Default: 64 MB plus 1 KiB per token of --max-cached-tokens.")
 @click.option("--log-dir", default=None, help="Server logs. Default: a temporary folder.")
 @click.option("--json-out", default=None, help="Write the summary as JSON here.")
 def soak_command(model, n_requests, max_tokens, max_concurrency, distinct_prompts,
                  disconnect_rate, max_cached_requests, max_cached_tokens, seed,
-                 log_dir, json_out) -> None:
+                 rss_growth_limit_mb, log_dir, json_out) -> None:
     """Soak a `--draft suffix` server: N requests at mixed concurrency with
     disconnects; checks outputs against a stock server, leaks and bounds."""
     from .soak import run_soak
@@ -458,7 +461,8 @@ def soak_command(model, n_requests, max_tokens, max_concurrency, distinct_prompt
         model=model, requests=n_requests, max_tokens=max_tokens,
         max_concurrency=max_concurrency, distinct_prompts=distinct_prompts,
         disconnect_rate=disconnect_rate, max_cached_requests=max_cached_requests,
-        max_cached_tokens=max_cached_tokens, seed=seed, log_dir=log_dir,
+        max_cached_tokens=max_cached_tokens, seed=seed,
+        rss_growth_limit_mb=rss_growth_limit_mb, log_dir=log_dir,
         json_out=json_out, echo=click.echo,
     )
     sys.exit(0 if result["ok"] else 1)
