@@ -161,6 +161,7 @@ ATTRIBUTES: Dict[str, Tuple[str, ...]] = {
     "mlx_lm.server:APIHandler.do_POST": (
         "body",
         "stream",
+        "max_tokens",
         "requested_draft_model",
         "num_draft_tokens",
     ),

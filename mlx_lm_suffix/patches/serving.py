@@ -318,6 +318,10 @@ def request_info(handler: Any) -> Optional[RequestInfo]:
         if draft == SUFFIX:
             raise ValueError("draft_model 'suffix' needs a server started with --draft suffix")
         return None
+    if handler.max_tokens < 1:
+        # mlx-lm 0.32.0 validates max_tokens >= 0, and 0 then fails in the
+        # batch (HTTP 500); 0.32.1 asks for at least 1 itself, in these words.
+        raise ValueError("max_tokens must be at least 1")
     if draft is not None and not isinstance(draft, str):
         raise ValueError(f"draft_model must be a string, got {draft!r}")
     if draft not in (SUFFIX, "default_model", None):
