@@ -18,8 +18,9 @@ import threading
 import urllib.request
 from pathlib import Path
 
-import mlx_lm  # noqa: F401  (first: mlx_lm_suffix imports mlx_lm)
+import mlx_lm  # (first: mlx_lm_suffix imports mlx_lm)
 import pytest
+from packaging.version import Version
 
 from mlx_lm_suffix.patches.serving import GENERATION_FAILED
 from mlx_lm_suffix.persistence import read_cache_file
@@ -181,6 +182,12 @@ BAD_INPUTS = {
     "bad Content-Length": ((b"", {"Content-Length": "x"}, "/v1/chat/completions"), "same"),
     "negative Content-Length": ((b"", {"Content-Length": "-5"}, "/v1/chat/completions"), "drop"),
 }
+if Version(mlx_lm.__version__) < Version("0.32.1"):
+    # mlx-lm 0.32.0 answers no 400 of its own: an invalid field closes the
+    # connection, and max_tokens 0 passes its validation and fails in the batch.
+    for case, stock_does in BAD_INPUTS.items():
+        if stock_does[1] == "same" and case.startswith(("num_draft", "max_", "messages missing")):
+            BAD_INPUTS[case] = (stock_does[0], "dies" if case.endswith(" 0") else "drop")
 # Stock kills its generation thread (every later request fails) on these:
 # not sent to the shared stock server.
 STOCK_DIES = {k for k, (_, stock_does) in BAD_INPUTS.items() if stock_does == "dies"}
