@@ -349,9 +349,13 @@ def _post_result(server, text, **extra):
     return status, reply.get("error")
 
 
-def test_exception_in_verification_forward(stock, tiny_model_path, logs, policy):
+def test_exception_in_verification_forward(stock, tiny_model_path, logs):
     """(The faulty server loads the tiny model itself, short_model's weights
-    with a long context: a batch of rows past 256 tokens still drafts.)"""
+    with a long context: a batch of rows past 256 tokens still drafts. The
+    fault needs a verification of the repeated answer in the shared batch,
+    which fixed drafting always runs and the adaptive policy only where its
+    learnt costs say so, so it runs fixed.)"""
+    policy = "fixed"
     text, other = _source_text(20), _source_text(21, n=80)
     status, ref = stock.post("/v1/chat/completions", {
         "messages": _messages(text), "max_tokens": 32, "temperature": 0, "logprobs": True})
