@@ -225,6 +225,10 @@ def test_bench_server_arms_and_demo(tmp_path, tiny_model_path, models_dir):
     assert {m["requests"] for m in arms.values()} == {2}
     assert len({m["tokens"] for m in arms.values()}) == 1
     assert all(m["matched_reference"] for m in arms.values())
+    # Warm server arms print their drafter's cost curve and replays (qwen3: none).
+    assert "agentic server-suffix-warm@c2: verify cost " in result.output
+    stats = arms["server-suffix-warm-fixed@c2"]["server_stats"]
+    assert stats["batch"]["replays"] == stats["batch"]["replayed_tokens"] == 0
 
     result = CliRunner(env={"MLX_LM_SUFFIX_HOME": str(models_dir)}).invoke(
         main, ["demo", "--size", "tiny", "--requests", "2", "--max-tokens", "16", "--blas", "reference"]
