@@ -214,8 +214,17 @@ class SuffixDrafter:
                 active_requests=self.active_requests,
                 cached_requests=self.cached_requests,
                 cached_tokens=self.cached_tokens,
+                tree_responses=self._tree_responses(),
             )
             return d
+
+    def _tree_responses(self) -> int:
+        # Responses the global suffix trees themselves hold (those of active
+        # requests included), counted apart from the bookkeeping eviction
+        # reads. Relies on SuffixDecodingCache._global_tree (arctic-inference
+        # 0.3.0); SuffixTree.num_seqs() is O(1), unlike estimate_memory(),
+        # which walks the tree (too slow to run under the lock per poll).
+        return sum(c._global_tree.num_seqs() for c in self._caches.values())
 
     def _cache(self, scope: Hashable) -> SuffixDecodingCache:
         cache = self._caches.get(scope)

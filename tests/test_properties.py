@@ -8,11 +8,15 @@ the wrong positions changes the output.
 alone; these tests run whole generations.)
 """
 
+import itertools
+
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
+from mlx_lm.sample_utils import make_sampler
 
 from mlx_lm_suffix.batch import RowOptions, SuffixBatchGenerator
 from mlx_lm_suffix.drafter import Draft, SuffixDrafter
@@ -25,14 +29,19 @@ class CacheModel(nn.Module):
     """next = (a * sum(tokens in cache) + b * count + c) % V, per position;
     the tokens are the cache's keys, left padding excluded."""
 
-    def __init__(self, a, b, c):
+    def __init__(self, a, b, c, vocab=V):
         super().__init__()
-        self.abc = (a, b, c)
+        self.abc, self.vocab = (a, b, c), vocab
 
     def make_cache(self):
         return [KVCache()]
 
     def __call__(self, inputs, cache=None, **kwargs):
+        nxt = self.next_tokens(inputs, cache)
+        return mx.where(mx.arange(V)[None, None, :] == nxt[..., None], 100.0, 0.0)
+
+    def next_tokens(self, inputs, cache):
+        """The next token at each position, ``(B, L)``."""
         B, L = inputs.shape
         x = inputs.astype(mx.float32).reshape(B, 1, L, 1)
         keys, _ = cache[0].update_and_fetch(x, x)
@@ -46,16 +55,15 @@ class CacheModel(nn.Module):
         s = (mask * k[:, None, :]).sum(-1)
         n = mask.sum(-1)
         a, b, c = self.abc
-        nxt = ((a * s + b * n + c) % V).astype(mx.int32)
-        return mx.where(mx.arange(V)[None, None, :] == nxt[..., None], 100.0, 0.0)
+        return ((a * s + b * n + c) % self.vocab).astype(mx.int32)
 
 
-def reference(abc, prompt, n):
+def reference(abc, prompt, n, vocab=V):
     a, b, c = abc
     seq = list(prompt)
     out = []
     for _ in range(n):
-        t = (a * sum(seq) + b * len(seq) + c) % V
+        t = (a * sum(seq) + b * len(seq) + c) % vocab
         out.append(t)
         seq.append(t)
     return out
@@ -182,3 +190,73 @@ def test_drafter_lifecycle_under_random_interleavings(abc, data):
     for u in finished:
         p, m = prompts[u]
         assert out[u] == reference(abc, p, m)
+
+
+class SampledCacheModel(CacheModel):
+    """Logits ``table[h]`` where ``h`` is :class:`CacheModel`'s next token: a
+    known distribution that depends on every token in the KV cache."""
+
+    def __init__(self, abc, table):
+        super().__init__(*abc, vocab=table.shape[0])
+        self.table = table
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        return self.table[self.next_tokens(inputs, cache)]
+
+
+class ModeDrafter(PlannedDrafter):
+    """Drafts the model's most likely continuation (accepted often, not
+    always: rows accept different counts)."""
+
+    def __init__(self, abc, table, **kw):
+        super().__init__(abc, [(0, 0)], **kw)
+        self.mode = np.array(table).argmax(-1)
+        self.vocab = table.shape[0]
+
+    def propose(self, req, max_tokens=None):
+        seq = list(self.seqs[req][0])
+        limit = self.num_draft_tokens if max_tokens is None else max_tokens
+        tokens = []
+        for _ in range(limit):
+            tokens.append(int(self.mode[reference(self.abc, seq + tokens, 1, self.vocab)[0]]))
+        return Draft(tokens, [0.9] * len(tokens))
+
+
+def test_batched_sampling_matches_the_model_distribution():
+    """Sampling at temperature 1 through SuffixBatchGenerator, rows of a
+    batch verifying drafts and rolling back different counts: the joint
+    distributions of the first three and of the next three tokens (those
+    after a rollback) are the model's (chi-square over 27 cells, 26 dof)."""
+    abc, prompt, vocab, rows, rounds = (2, 1, 1), [1, 2], 3, 128, 12
+    table = mx.array(np.random.default_rng(0).normal(size=(vocab, vocab)).astype(np.float32))
+    probs = np.array(mx.softmax(table, axis=-1))
+    joint = np.zeros((vocab,) * 6)  # of the first six tokens
+    for path in itertools.product(range(vocab), repeat=6):
+        joint[path] = np.prod([probs[reference(abc, prompt + list(path[:j]), 1, vocab)[0], x]
+                               for j, x in enumerate(path)])
+    model = SampledCacheModel(abc, table)
+    drafter = ModeDrafter(abc, table)
+    stats = BatchDraftStats()
+    mx.random.seed(0)
+    counts = np.zeros_like(joint)
+    for _ in range(rounds):
+        gen = SuffixBatchGenerator(model, drafter, num_draft_tokens=3, stats=stats,
+                                   sampler=make_sampler(temp=1.0),
+                                   completion_batch_size=rows, prefill_batch_size=rows)
+        uids = gen.insert([prompt] * rows, max_tokens=[6] * rows)
+        out = {u: [] for u in uids}
+        while responses := gen.next_generated():
+            for r in responses:
+                out[r.uid].append(r.token)
+        gen.close()
+        for u in uids:
+            counts[tuple(out[u])] += 1
+    n = rows * rounds
+    for axes in ((3, 4, 5), (0, 1, 2)):  # summed out: the last three, the first three
+        p, c = joint.sum(axes), counts.sum(axes)
+        assert n * p.min() > 5  # the chi-square approximation holds
+        chi2 = ((c - n * p) ** 2 / (n * p)).sum()
+        assert chi2 < 54.05, (axes, chi2, c, n * p)  # 26 dof, p = 0.001
+    # Drafts were verified while sampling, rows accepting different counts.
+    assert stats.verify_steps > 0 and stats.uneven_rollbacks > 0
+    assert 0 < drafter.stats.accepted < drafter.stats.drafted

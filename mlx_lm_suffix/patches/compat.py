@@ -16,12 +16,15 @@ import sys
 from types import CodeType
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-#: The mlx-lm versions mlx_lm_suffix is written against and tested with.
-SUPPORTED_VERSIONS = ("0.32.2",)
+#: The mlx-lm releases mlx_lm_suffix is tested with, as setup.cfg requires
+#: them (a PEP 440 specifier). 0.31.x lacks the batch API of 0.32 (its
+#: GenerationBatch takes state machines, not stop sequences) and the
+#: ``stream`` parameters of the generate functions.
+SUPPORTED_VERSIONS = ">=0.32.0,<0.33"
 
 # What mlx_lm_suffix wraps, calls or subclasses ("module:qualname"), with the
-# parameters it relies on as in mlx-lm 0.32.2 ("" for none; None: it only has
-# to exist).
+# parameters it relies on as in mlx-lm 0.32.0 to 0.32.2 ("" for none; None: it
+# only has to exist).
 SIGNATURES: Dict[str, Optional[str]] = {
     # patches.generate
     "mlx_lm.generate:stream_generate": (
@@ -173,6 +176,7 @@ ATTRIBUTES: Dict[str, Tuple[str, ...]] = {
     "mlx_lm.server:APIHandler.do_POST": (
         "body",
         "stream",
+        "max_tokens",
         "requested_draft_model",
         "num_draft_tokens",
     ),
@@ -215,7 +219,7 @@ def missing() -> List[str]:
 def warning(missing: Sequence[str]) -> str:
     """The one warning of a process whose mlx-lm is left stock."""
     return (
-        f"mlx-lm-suffix supports mlx-lm {_supported()}; mlx-lm {version()} lacks "
+        f"mlx-lm-suffix supports mlx-lm {SUPPORTED_VERSIONS}; mlx-lm {version()} lacks "
         f"{'; '.join(missing)}. mlx-lm runs stock, without suffix decoding."
     )
 
@@ -225,13 +229,9 @@ def refusal(what: str, missing: Sequence[str]) -> str:
     that is left stock."""
     more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
     return (
-        f"mlx-lm-suffix: {what} needs mlx-lm {_supported()}; mlx-lm {version()} "
+        f"mlx-lm-suffix: {what} needs mlx-lm {SUPPORTED_VERSIONS}; mlx-lm {version()} "
         f"lacks {missing[0]}{more}"
     )
-
-
-def _supported() -> str:
-    return " or ".join(SUPPORTED_VERSIONS)
 
 
 def _name(target: str) -> str:

@@ -172,7 +172,12 @@ def patch(module: ModuleType) -> Replacements:
     @functools.wraps(stock_do_post)
     def do_POST(self):
         if serving.state_for(self.response_generator.cli_args) is None:
-            return stock_do_post(self)
+            try:
+                return stock_do_post(self)
+            except serving.DraftRefused as e:
+                # mlx-lm 0.32.0 lets a ValueError of validate_model_parameters
+                # close the connection; 0.32.1 answers 400 itself.
+                return serving.answer_error(self, e)
         serving.mark_generating(self, False)
         try:
             stock_do_post(self)

@@ -183,7 +183,7 @@ class SuffixServing:
         cache file is set), a scope or a header."""
         keys = ("drafted", "accepted", "tokens", "steps", "requests")
         totals = dict.fromkeys(keys, 0)
-        totals.update(active_requests=0, cached_requests=0, cached_tokens=0)
+        totals.update(active_requests=0, cached_requests=0, cached_tokens=0, tree_responses=0)
         batch = BatchDraftStats()
         models = []
         with self._lock:
@@ -334,6 +334,10 @@ def scope_key(body: Dict[str, Any], headers: Any, mode: str = "user") -> Hashabl
     return "user:" + h.hexdigest()[:32]
 
 
+class DraftRefused(ValueError):
+    """``draft_model: "suffix"`` sent to a server started without ``--draft suffix``."""
+
+
 def request_info(handler: Any) -> Optional[RequestInfo]:
     """Validate the suffix fields of a request (after stock validation).
 
@@ -345,8 +349,12 @@ def request_info(handler: Any) -> Optional[RequestInfo]:
     draft = handler.requested_draft_model
     if state is None:
         if draft == SUFFIX:
-            raise ValueError("draft_model 'suffix' needs a server started with --draft suffix")
+            raise DraftRefused("draft_model 'suffix' needs a server started with --draft suffix")
         return None
+    if handler.max_tokens < 1:
+        # mlx-lm 0.32.0 validates max_tokens >= 0, and 0 then fails in the
+        # batch (HTTP 500); 0.32.1 asks for at least 1 itself, in these words.
+        raise ValueError("max_tokens must be at least 1")
     if draft is not None and not isinstance(draft, str):
         raise ValueError(f"draft_model must be a string, got {draft!r}")
     if draft not in (SUFFIX, "default_model", None):

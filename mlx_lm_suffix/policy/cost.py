@@ -47,14 +47,20 @@ class VerifyCost:
         self._checks_seen = 0
 
     def _envelope(self) -> None:
-        """Keep the curve monotone: a forward over more tokens never costs
-        less. Timing noise only ever adds time, so a point above a larger
-        size's comes down to it. (Not bounded by proportional growth: on a
-        CPU a quantized forward over a few tokens can cost more than as many
-        one-token ones.)"""
+        """Keep the curve physical: a forward over more tokens never costs
+        less, nor more than proportionally more (``n`` one-token forwards
+        would do). Timing noise only ever adds time, so each point is lowered
+        to the bound its neighbours give."""
         pts, sizes = self.points, self._sizes
+        for lo, hi in zip(sizes, sizes[1:]):
+            pts[hi] = min(pts[hi], pts[lo] * hi / lo)
         for lo, hi in zip(reversed(sizes[:-1]), reversed(sizes[1:])):
             pts[lo] = min(pts[lo], pts[hi])
+
+    def prior(self) -> "VerifyCost":
+        """The curve as it was before any verification was timed: the plain
+        step's point, and PRIOR_SLOPE past it (nothing learnt online)."""
+        return VerifyCost({1: self.points[1]}, smoothing=0)
 
     def __call__(self, n: int, rows: int = 1) -> float:
         if rows > 1:
@@ -67,12 +73,14 @@ class VerifyCost:
             return pts[n]
         if i == len(sizes):
             # Past the largest point, as the last segment grows (with one
-            # point, by PRIOR_SLOPE), until a step that large is seen.
+            # point, by PRIOR_SLOPE), and at most proportionally (until a
+            # step that large is seen).
             last = sizes[-1]
+            prop = pts[last] * n / last
             if len(sizes) == 1:
-                return pts[last] * (1 + PRIOR_SLOPE * (n - last) / last)
+                return min(prop, pts[last] * (1 + PRIOR_SLOPE * (n - last) / last))
             prev = sizes[-2]
-            return pts[last] + (pts[last] - pts[prev]) * (n - last) / (last - prev)
+            return min(prop, pts[last] + (pts[last] - pts[prev]) * (n - last) / (last - prev))
         lo, hi = sizes[i - 1], sizes[i]
         return pts[lo] + (pts[hi] - pts[lo]) * (n - lo) / (hi - lo)
 

@@ -26,6 +26,10 @@ from .cost import VerifyCost
 BATCH_MARGIN = 1.2
 
 
+#: After this many drafts refused for their cost, one is judged by the
+#: prior curve instead (see :class:`Policy`).
+EXPLORE_AFTER = 256
+
 POLICIES = ("adaptive", "fixed")
 
 
@@ -48,6 +52,13 @@ class Policy:
     pays (:func:`check_pays`) and verifies at once only with one row
     (:func:`unpipelined_length`). ``"fixed"``: drafts as proposed; one row
     verifies at once whenever it has a draft.
+
+    A curve point timed during a load spike can make every draft look too
+    dear, and then nothing is verified that would time it again. So after
+    :data:`EXPLORE_AFTER` drafts refused in a row, one is judged by the
+    prior curve (:meth:`VerifyCost.prior`): where forwards really cost what
+    the prior says, that verification breaks even in expectation; where
+    they cost less, its time corrects the curve.
     """
 
     def __init__(self, name: str = "adaptive", cost: Optional[VerifyCost] = None):
@@ -56,6 +67,7 @@ class Policy:
         self.name = name
         self.cost = cost
         self.calibration = Calibration()
+        self._refused = 0  # drafts refused for their cost in a row
 
     @property
     def cost_aware(self) -> bool:
@@ -79,8 +91,17 @@ class Policy:
         a rejection costs feeding the accepted tokens again."""
         n = len(draft)
         if n and self.cost_aware:
-            n = best_length(self.probs(draft), self.cost, pipelined, replay)
+            n = best_length(self.probs(draft), self._judge(), pipelined, replay)
+            self._refused = 0 if n else self._refused + 1
         return 0 if pipelined and n < 2 else n
+
+    def _judge(self) -> VerifyCost:
+        """The curve to judge the next draft by: the learnt one, or after
+        EXPLORE_AFTER refusals in a row, once, the prior."""
+        if self._refused < EXPLORE_AFTER:
+            return self.cost
+        self._refused = 0
+        return self.cost.prior()
 
     def batch_lengths(
         self, drafts: Sequence[Any], pipelined: bool, check: bool = True, replay: bool = False
@@ -93,12 +114,15 @@ class Policy:
         if not pipelined and len(drafts) != 1:
             return [0] * len(drafts)
         if self.cost_aware and any(lengths):
-            probs = [self.probs(d) for d in drafts]
+            probs, cost = [self.probs(d) for d in drafts], self._judge()
             if not pipelined:
-                return [unpipelined_length(probs[0], self.cost, replay)]
-            lengths = best_batch_lengths(probs, self.cost, True, replay)
-            if check and not check_pays(probs, lengths, self.cost, replay):
-                return [0] * len(drafts)
+                n = unpipelined_length(probs[0], cost, replay)
+                self._refused = 0 if n else self._refused + 1
+                return [n]
+            lengths = best_batch_lengths(probs, cost, True, replay)
+            if check and not check_pays(probs, lengths, cost, replay):
+                lengths = [0] * len(drafts)
+            self._refused = 0 if any(lengths) else self._refused + 1
         return [n if n >= 2 or not pipelined else 0 for n in lengths]
 
     def record(self, draft: Any, verified: int, accepted: int) -> None:

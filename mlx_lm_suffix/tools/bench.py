@@ -662,11 +662,16 @@ def server_stats(url: str) -> Optional[Dict[str, Any]]:
 
 # ------------------------------------------------------------------ driver
 def is_local_random_model(path: str) -> bool:
-    """True for a model folder built by :mod:`mlx_lm_suffix.tools.models`."""
+    """True for a model folder built by :mod:`mlx_lm_suffix.tools.models`
+    (not for the real models converted by :mod:`mlx_lm_suffix.tools.gguf`,
+    which share its cache)."""
+    from .gguf import is_converted
     from .models import cache_root
 
     try:
         p = Path(path).resolve()
+        if is_converted(p):
+            return False
         return (cache_root() / "models").resolve() in p.parents or "mlx_lm_suffix" in str(p)
     except OSError:
         return False

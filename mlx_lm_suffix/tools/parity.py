@@ -125,15 +125,15 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> List[int]:
 def load_model(
     path: Union[str, os.PathLike, None] = None, dtype: Optional[str] = None
 ) -> Tuple[nn.Module, Any]:
-    """``mlx_lm.load`` of ``path`` (default: the tiny qwen3 model of
-    :mod:`mlx_lm_suffix.tools.models`), with floating weights cast to
-    ``dtype`` (e.g. ``"float32"``) when given."""
+    """``mlx_lm.load`` of ``path`` (a folder, a Hugging Face id or a name in
+    :data:`mlx_lm_suffix.tools.models.REAL_MODELS`; default: the tiny qwen3
+    model of :mod:`mlx_lm_suffix.tools.models`), with floating weights cast
+    to ``dtype`` (e.g. ``"float32"``) when given."""
     import mlx_lm
 
-    if path is None:
-        from .models import ensure_model
+    from .models import ensure_model, resolve_model
 
-        path = ensure_model("qwen3", "tiny")
+    path = ensure_model("qwen3", "tiny") if path is None else resolve_model(str(path))
     model, tokenizer = mlx_lm.load(str(path))
     if dtype is not None:
         model.set_dtype(getattr(mx, dtype))

@@ -8,9 +8,15 @@ streamed and cut off by the client), and checks:
 - every completed greedy output equals the stock server's for that prompt;
 - no request is left active in the drafter at the end;
 - cached requests and tokens stay within the configured bounds (the stats
-  endpoint is polled during the run);
-- the server process's RSS levels off (sampled with psutil; first, middle,
-  last and the slope over the second half are reported).
+  endpoint is polled during the run): the drafter's counters, and apart from
+  them the responses the suffix trees themselves hold (``tree_responses``);
+  at the end the trees hold exactly the cached responses;
+- the server process's RSS stays bounded: its growth from the end of the
+  warm-up (the first fifth of the requests) to its peak is below
+  ``rss_growth_limit_mb`` (default: :data:`RSS_SLACK_MB` plus
+  :data:`TREE_BYTES_PER_TOKEN` per token of ``max_cached_tokens``), sampled
+  with psutil; first, warm, peak, last and the slope over the second half are
+  reported.
 """
 
 from __future__ import annotations
@@ -28,7 +34,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ..patches.serving import STATS_PATH
 from .launcher import HOST, ServerProcess
 
-__all__ = ["run_soak"]
+__all__ = ["run_soak", "RSS_SLACK_MB", "TREE_BYTES_PER_TOKEN"]
+
+# Suffix-tree memory per cached token, a bound: arctic-inference estimates
+# about 300-330 bytes per token of random responses at depth 64.
+TREE_BYTES_PER_TOKEN = 1024
+# RSS growth allowed besides the trees: allocator and MLX buffer-cache noise.
+RSS_SLACK_MB = 64.0
 
 
 class _Server(ServerProcess):
@@ -122,12 +134,14 @@ def run_soak(
     seed: int = 0,
     rss_interval: float = 2.0,
     stats_interval: float = 0.5,
+    rss_growth_limit_mb: Optional[float] = None,
     log_dir: Optional[str] = None,
     json_out: Optional[str] = None,
     echo: Callable[[str], None] = print,
 ) -> Dict[str, Any]:
     """Run the soak; returns (and optionally writes) a summary dict whose
-    ``ok`` says whether every check passed."""
+    ``ok`` says whether every check passed. The suffix server runs with
+    the default (adaptive) policy."""
     import tempfile
 
     import psutil
@@ -136,6 +150,8 @@ def run_soak(
         from .models import ensure_model
 
         model = str(ensure_model("qwen3", "tiny"))
+    if rss_growth_limit_mb is None:
+        rss_growth_limit_mb = RSS_SLACK_MB + max_cached_tokens * TREE_BYTES_PER_TOKEN / 2**20
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="mlx-lm-suffix-soak-"))
     logs.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -164,7 +180,9 @@ def run_soak(
     )
     proc = psutil.Process(suffix.proc.pid)
     rss: List[Tuple[float, int]] = []
-    seen = {"active": 0, "cached_requests": 0, "cached_tokens": 0, "polls": 0}
+    seen = {"active": 0, "cached_requests": 0, "cached_tokens": 0, "tree_cached": 0,
+            "polls": 0}
+    warm_at: List[float] = []  # when the warm-up ended
     bound_violations: List[Dict[str, Any]] = []
     done = threading.Event()
 
@@ -181,13 +199,18 @@ def run_soak(
                 s = None
             if s is not None:
                 seen["polls"] += 1
+                # Finished responses the trees hold, counted by the trees.
+                s["tree_cached"] = s["tree_responses"] - s["active_requests"]
                 for k, key in (("active", "active_requests"),
                                ("cached_requests", "cached_requests"),
-                               ("cached_tokens", "cached_tokens")):
+                               ("cached_tokens", "cached_tokens"),
+                               ("tree_cached", "tree_cached")):
                     seen[k] = max(seen[k], s[key])
                 if (s["cached_requests"] > max_cached_requests
+                        or s["tree_cached"] > max_cached_requests
                         or s["cached_tokens"] > max_cached_tokens):
-                    bound_violations.append({k: s[k] for k in ("cached_requests", "cached_tokens")})
+                    bound_violations.append(
+                        {k: s[k] for k in ("cached_requests", "tree_cached", "cached_tokens")})
             done.wait(stats_interval)
 
     counts = {"completed": 0, "disconnected": 0, "errors": 0, "stream": 0}
@@ -236,6 +259,8 @@ def run_soak(
                     j.result()
                 sent += c
                 rounds += 1
+                if not warm_at and sent >= requests // 5:
+                    warm_at.append(time.monotonic() - t0)
                 if rounds % 20 == 0:
                     echo(f"soak: {sent}/{requests} requests, {time.monotonic() - t0:.0f} s")
         # Disconnected rows are removed at the server's next step: wait.
@@ -255,8 +280,13 @@ def run_soak(
 
     half = [s for s in rss if s[0] >= rss[-1][0] / 2]
     mb = lambda b: round(b / 2**20, 1)  # noqa: E731
+    # RSS at the end of the warm-up: the last sample before it ended.
+    warm = [r for t, r in rss if t <= warm_at[0]][-1:] or [rss[0][1]]
+    peak = max(r for t, r in rss if t >= warm_at[0]) if warm_at else rss[-1][1]
+    rss_growth = mb(max(0, peak - warm[0]))
     result = {
         "model": model,
+        "policy": final["policy"],
         "requests": requests,
         "max_tokens": max_tokens,
         "max_concurrency": max_concurrency,
@@ -272,13 +302,17 @@ def run_soak(
                    "max_cached_tokens": max_cached_tokens},
         "max_seen": seen,
         "bound_violations": bound_violations[:10],
+        "tree_responses_end": final["tree_responses"],
+        "cached_requests_end": final["cached_requests"],
         "drafted": final["drafted"],
         "accepted": final["accepted"],
         "acceptance_rate": round(final["acceptance_rate"], 3),
         "tokens_per_step": round(final["tokens_per_step"], 3),
-        "rss_mb": {"first": mb(rss[0][1]), "middle": mb(rss[len(rss) // 2][1]),
-                   "last": mb(rss[-1][1]), "max": mb(max(r for _, r in rss)),
-                   "samples": len(rss)},
+        "rss_mb": {"first": mb(rss[0][1]), "warm": mb(warm[0]),
+                   "middle": mb(rss[len(rss) // 2][1]), "last": mb(rss[-1][1]),
+                   "max": mb(max(r for _, r in rss)), "samples": len(rss)},
+        "rss_growth_after_warmup_mb": rss_growth,
+        "rss_growth_limit_mb": round(rss_growth_limit_mb, 1),
         "rss_slope_second_half_mb_per_min": round(_slope_mb_per_min(half), 3),
         "server_exit_code": rc,
         "log_dir": str(logs),
@@ -288,6 +322,8 @@ def run_soak(
         and counts["errors"] == 0
         and result["active_requests_end"] == 0
         and not bound_violations
+        and result["tree_responses_end"] == result["cached_requests_end"]
+        and rss_growth <= rss_growth_limit_mb
     )
     echo(
         f"soak: {requests} requests in {result['elapsed_s']} s "
@@ -296,10 +332,12 @@ def run_soak(
         f"errors {counts['errors']}, mismatches {len(mismatches)}\n"
         f"soak: active at end {result['active_requests_end']}; max cached "
         f"{seen['cached_requests']}/{max_cached_requests} requests, "
-        f"{seen['cached_tokens']}/{max_cached_tokens} tokens ({seen['polls']} polls); "
+        f"{seen['cached_tokens']}/{max_cached_tokens} tokens, trees {seen['tree_cached']} "
+        f"responses ({seen['polls']} polls); "
         f"acceptance {result['acceptance_rate']:.1%}, {result['tokens_per_step']} tokens/step\n"
-        f"soak: RSS first {result['rss_mb']['first']} MB, middle {result['rss_mb']['middle']} MB, "
-        f"last {result['rss_mb']['last']} MB; slope over the second half "
+        f"soak: RSS first {result['rss_mb']['first']} MB, warm {result['rss_mb']['warm']} MB, "
+        f"peak {result['rss_mb']['max']} MB, last {result['rss_mb']['last']} MB; growth after "
+        f"warm-up {rss_growth}/{result['rss_growth_limit_mb']} MB; slope over the second half "
         f"{result['rss_slope_second_half_mb_per_min']} MB/min\n"
         f"soak: {'OK' if result['ok'] else 'FAILED'}"
     )
