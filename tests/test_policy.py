@@ -18,7 +18,6 @@ from mlx_lm_suffix.policy import (
     unpipelined_length,
 )
 from mlx_lm_suffix.policy import rules as policy
-from mlx_lm_suffix.policy.cost import PRIOR_SLOPE
 
 
 def _draft(drafter, req, max_tokens=None):
@@ -56,11 +55,11 @@ def test_cost_curve_stays_physical_under_noise():
 
 
 def test_cost_curve_learns_sizes_past_its_points():
-    # The probe at first use times a plain step: until a wider forward is
-    # seen, each further token costs PRIOR_SLOPE of it; the first one seen,
-    # even of two tokens, becomes a point (it does not refine the plain step's).
+    # With the plain step's point alone the curve grows proportionally; the
+    # first wider forward seen, even of two tokens, becomes a point (it does
+    # not refine the plain step's).
     first = VerifyCost({1: 2.0})
-    assert first(9) == pytest.approx(2.0 * (1 + PRIOR_SLOPE * 8))
+    assert first(9) == 18.0
     first.observe(2, 3.0)
     assert first.points == {1: 2.0, 2: 3.0} and first(4) == 5.0
     # Past the last point the curve grows as the last segment does, and a
@@ -414,20 +413,22 @@ def test_calibration_on_the_loaded_model(tiny_model_path):
     assert before < cost(16) <= 4 * cost(4)
 
 
-def test_a_curve_too_dear_to_remeasure_is_judged_by_the_prior_now_and_then():
+def test_a_curve_too_dear_to_remeasure_is_explored_now_and_then():
     # A 16-token verification timed in a load spike (26 plain steps, capped
     # at proportional): no draft pays on the learnt curve, so none would be
-    # timed again. Every EXPLORE_AFTER refusals one is judged by the prior.
+    # timed again. Every EXPLORE_AFTER refusals one is verified at 2 tokens.
     from mlx_lm_suffix.policy.rules import EXPLORE_AFTER
 
     p = policy.Policy("adaptive", VerifyCost({1: 1.0, 16: 26.0}))
     assert p.cost.points[16] == 16.0
     draft = Draft(list(range(16)), [0.9] * 16, 20)
-    lengths = [p.length(draft, pipelined=False) for _ in range(2 * EXPLORE_AFTER + 2)]
-    assert lengths[EXPLORE_AFTER] > 0 and lengths[2 * EXPLORE_AFTER + 1] > 0
+    lengths = [p.length(draft, pipelined=True) for _ in range(2 * EXPLORE_AFTER + 2)]
+    assert lengths[EXPLORE_AFTER] == lengths[2 * EXPLORE_AFTER + 1] == 2
     assert sum(n > 0 for n in lengths) == 2
-    assert lengths[EXPLORE_AFTER] == best_length(p.probs(draft), p.cost.prior())
-    # The batch's entry point explores the same way.
+    # The batch's entry point explores the same way, every row at 2 tokens.
     b = policy.Policy("adaptive", VerifyCost({1: 1.0, 16: 26.0}))
-    rows = [[b.batch_lengths([draft], pipelined=True) for _ in range(EXPLORE_AFTER + 1)]]
-    assert [n for (n,) in rows[0]].count(0) == EXPLORE_AFTER
+    rows = [b.batch_lengths([draft, draft], pipelined=True) for _ in range(EXPLORE_AFTER + 1)]
+    assert rows[-1] == [2, 2] and rows.count([0, 0]) == EXPLORE_AFTER
+    # A draft the curve accepts resets the count.
+    cheap = policy.Policy("adaptive", VerifyCost({1: 1.0, 16: 1.1}))
+    assert all(cheap.length(draft, pipelined=True) == 16 for _ in range(EXPLORE_AFTER + 2))

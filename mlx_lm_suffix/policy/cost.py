@@ -9,15 +9,10 @@ from typing import Dict, List, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-#: The forwards timed when a model is first used: a plain step (a probe of
-#: a few plain steps' time, whatever the model); the rest of the curve is
-#: learnt from the verifications generation runs.
-CALIBRATION_SIZES = (1,)
-#: Until a forward over more than one token is timed, each token past the
-#: first costs this much of a plain step: about what a 4-bit model's costs
-#: on a CPU, the dearest case seen (notes.md), so a draft verified on this
-#: guess pays wherever forwards are cheaper, and its time replaces it.
-PRIOR_SLOPE = 0.5
+#: The forwards timed when a model is first used (after a one-token
+#: context; each after a warm-up run): a probe of a few plain steps' time.
+#: The rest of the curve is learnt from the verifications generation runs.
+CALIBRATION_SIZES = (1, 4)
 
 
 class VerifyCost:
@@ -57,11 +52,6 @@ class VerifyCost:
         for lo, hi in zip(reversed(sizes[:-1]), reversed(sizes[1:])):
             pts[lo] = min(pts[lo], pts[hi])
 
-    def prior(self) -> "VerifyCost":
-        """The curve as it was before any verification was timed: the plain
-        step's point, and PRIOR_SLOPE past it (nothing learnt online)."""
-        return VerifyCost({1: self.points[1]}, smoothing=0)
-
     def __call__(self, n: int, rows: int = 1) -> float:
         if rows > 1:
             return self.batch_prior(n, rows) * self._batch_factor(self._shape(n, rows))
@@ -72,13 +62,12 @@ class VerifyCost:
         if i < len(sizes) and sizes[i] == n:
             return pts[n]
         if i == len(sizes):
-            # Past the largest point, as the last segment grows (with one
-            # point, by PRIOR_SLOPE), and at most proportionally (until a
-            # step that large is seen).
+            # Past the largest point, as the last segment grows, and at most
+            # proportionally (until a step that large is seen).
             last = sizes[-1]
             prop = pts[last] * n / last
             if len(sizes) == 1:
-                return min(prop, pts[last] * (1 + PRIOR_SLOPE * (n - last) / last))
+                return prop
             prev = sizes[-2]
             return min(prop, pts[last] + (pts[last] - pts[prev]) * (n - last) / (last - prev))
         lo, hi = sizes[i - 1], sizes[i]

@@ -26,8 +26,8 @@ from .cost import VerifyCost
 BATCH_MARGIN = 1.2
 
 
-#: After this many drafts refused for their cost, one is judged by the
-#: prior curve instead (see :class:`Policy`).
+#: After this many drafts refused for their cost in a row, one is verified
+#: at 2 tokens anyway (see :class:`Policy`).
 EXPLORE_AFTER = 256
 
 POLICIES = ("adaptive", "fixed")
@@ -53,12 +53,12 @@ class Policy:
     (:func:`unpipelined_length`). ``"fixed"``: drafts as proposed; one row
     verifies at once whenever it has a draft.
 
-    A curve point timed during a load spike can make every draft look too
-    dear, and then nothing is verified that would time it again. So after
-    :data:`EXPLORE_AFTER` drafts refused in a row, one is judged by the
-    prior curve (:meth:`VerifyCost.prior`): where forwards really cost what
-    the prior says, that verification breaks even in expectation; where
-    they cost less, its time corrects the curve.
+    A point timed during a load spike can make
+    every draft look too dear, and then nothing is verified that would time
+    it again; so after :data:`EXPLORE_AFTER` drafts refused in a row, one is
+    verified at 2 tokens (about one token's share of a forward lost, at
+    worst), whose time pulls the curve's wider points down where they were
+    too high (the curve grows at most proportionally).
     """
 
     def __init__(self, name: str = "adaptive", cost: Optional[VerifyCost] = None):
@@ -91,17 +91,21 @@ class Policy:
         a rejection costs feeding the accepted tokens again."""
         n = len(draft)
         if n and self.cost_aware:
-            n = best_length(self.probs(draft), self._judge(), pipelined, replay)
-            self._refused = 0 if n else self._refused + 1
+            chosen = best_length(self.probs(draft), self.cost, pipelined, replay)
+            n = self._explore(chosen, n)
         return 0 if pipelined and n < 2 else n
 
-    def _judge(self) -> VerifyCost:
-        """The curve to judge the next draft by: the learnt one, or after
-        EXPLORE_AFTER refusals in a row, once, the prior."""
-        if self._refused < EXPLORE_AFTER:
-            return self.cost
+    def _explore(self, chosen: int, proposed: int) -> int:
+        """``chosen`` (the rule's length), or after EXPLORE_AFTER refusals in
+        a row, 2 tokens of a ``proposed`` draft that has them."""
+        if chosen or proposed < 2:
+            self._refused = 0 if chosen else self._refused
+            return chosen
+        self._refused += 1
+        if self._refused <= EXPLORE_AFTER:
+            return 0
         self._refused = 0
-        return self.cost.prior()
+        return 2
 
     def batch_lengths(
         self, drafts: Sequence[Any], pipelined: bool, check: bool = True, replay: bool = False
@@ -114,15 +118,18 @@ class Policy:
         if not pipelined and len(drafts) != 1:
             return [0] * len(drafts)
         if self.cost_aware and any(lengths):
-            probs, cost = [self.probs(d) for d in drafts], self._judge()
+            cost, probs = self.cost, [self.probs(d) for d in drafts]
             if not pipelined:
-                n = unpipelined_length(probs[0], cost, replay)
-                self._refused = 0 if n else self._refused + 1
-                return [n]
-            lengths = best_batch_lengths(probs, cost, True, replay)
-            if check and not check_pays(probs, lengths, cost, replay):
-                lengths = [0] * len(drafts)
-            self._refused = 0 if any(lengths) else self._refused + 1
+                # Not explored: the pipelined step that follows is.
+                return [unpipelined_length(probs[0], cost, replay)]
+            chosen = best_batch_lengths(probs, cost, True, replay)
+            if check and not check_pays(probs, chosen, cost, replay):
+                chosen = [0] * len(drafts)
+            if not any(chosen) and self._explore(0, max(lengths)):
+                chosen = [min(n, 2) for n in lengths]
+            elif any(chosen):
+                self._refused = 0
+            lengths = chosen
         return [n if n >= 2 or not pipelined else 0 for n in lengths]
 
     def record(self, draft: Any, verified: int, accepted: int) -> None:
