@@ -405,6 +405,7 @@ class SuffixGenerationBatch(GenerationBatch):
         stats.verify_steps += 1
         stats.unpipelined_steps += 1 - first
         stats.replays += replayed
+        stats.replayed_tokens += sum(map(len, emitted)) if replayed else 0
         stats.verify_rows += B
         stats.max_batch_size = max(stats.max_batch_size, B)
         stats.max_verify_batch_size = max(stats.max_verify_batch_size, B)

@@ -378,6 +378,12 @@ class SuffixDrafter:
                 if draft is not None:
                     self.policy.record(draft, drafted, accepted)
 
+    def record_replay(self, tokens: int) -> None:
+        """Count a replay: the cache restored and ``tokens`` fed again."""
+        with self._lock:
+            self.stats.replays += 1
+            self.stats.replayed_tokens += tokens
+
     def _keep_response(self, req_id: int, scope: Hashable, response: List[int]) -> None:
         if req_id in self._caches[scope].cached_requests:
             for s, old in self._kept.add(req_id, scope, response):

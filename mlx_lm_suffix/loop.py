@@ -135,6 +135,7 @@ class _Sequence:
         (the rest) again. Returns the positions now in the cache since."""
         if rollback.undo(self.cache, saved, n, rejected):
             self.model(kept[None], cache=self.cache)
+            self.drafter.record_replay(kept.size)
             return kept.size
         return n - rejected
 

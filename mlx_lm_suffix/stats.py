@@ -78,6 +78,10 @@ class DraftStats(Counters):
     drafted: int = 0
     accepted: int = 0
     tokens: int = 0
+    #: Verifications after which the cache went back to its state before
+    #: them (recurrent state) and was fed the kept tokens again.
+    replays: int = 0
+    replayed_tokens: int = 0
     #: Sum of the trees' probability estimates over verified draft tokens.
     expected: float = 0.0
     #: Verified draft length -> number of steps.
@@ -108,6 +112,8 @@ class BatchDraftStats(Counters):
     unpipelined_steps: int = 0
     #: Verifications after which every row was fed its kept tokens again.
     replays: int = 0
+    #: Tokens those replays fed, over all rows (padding not counted).
+    replayed_tokens: int = 0
     plain_steps: int = 0
     check_steps: int = 0
     verify_rows: int = 0

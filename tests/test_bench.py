@@ -125,10 +125,72 @@ def test_bench_command(tmp_path, tiny_model_path):
                 assert m[key] is not None
             if arm != "stock":
                 assert 0.0 <= m["acceptance_rate"] <= 1.0
+                assert m["replays"] == 0  # all attention: rejections trim
+            else:
+                assert m["replays"] is None and "verify_cost" not in m
+        for arm in ("suffix-cold", "suffix-warm"):
+            cost = wl["arms"][arm]["verify_cost"]
+            assert cost["1"] == 1.0 and len(cost) > 1  # a plain step, and wider ones learnt
+            assert wl["arms"][arm]["replay_share"] == 0.0
+        assert wl["arms"]["oracle"]["verify_cost"] is None  # fixed lengths learn no curve
         assert wl["arms"]["stock"]["speedup_vs_stock"] == 1.0
         assert wl["arms"]["oracle"]["acceptance_rate"] >= 0.99
     assert (out / "bench.png").stat().st_size > 0
     assert "mode: scripted" in result.output
+    assert "code-edit suffix-cold: verify cost 1:1.00 " in result.output
+
+
+class _WrongThird(bench.OracleDrafter):
+    """The oracle's drafts with their third token wrong (two accepted, then
+    a rejection), counting them."""
+
+    def __init__(self, **kwargs):
+        super().__init__(policy="fixed", **kwargs)
+        self.wrong = 0
+
+    def propose(self, req_id, max_tokens=None):
+        d = super().propose(req_id, max_tokens)
+        if len(d.tokens) > 2:
+            d.tokens[2] ^= 1
+            self.wrong += 1
+        return d
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3"])
+def test_replays_are_counted(family, tiny_family_path, requests):
+    """Every rejection on a model with recurrent state (qwen3_5) restores it
+    and feeds the kept tokens again: the bench sample counts one replay per
+    wrong draft, of 2 tokens (after a pipelined check) or 3 (after a
+    settled step); on an attention model (qwen3) rejections trim."""
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(tiny_family_path(family)))
+    eos = sorted(tokenizer.eos_token_ids)[0]
+    req = requests["code-edit"][0]
+    drafter = _WrongThird()
+    s, out = bench.generate_one(model, tokenizer, req, 40, drafter, True, eos)
+    assert out == req.reference_ids[:40]
+    assert drafter.wrong > 0 and s.accepted < s.drafted
+    if family == "qwen3_5":
+        assert s.replays == drafter.wrong == drafter.stats.replays
+        assert 2 * s.replays <= s.replayed_tokens <= 3 * s.replays
+    else:
+        assert s.replays == s.replayed_tokens == 0
+    assert s.replay_seconds is None  # fixed lengths: no cost curve to estimate from
+    summary = bench.summarize([s])
+    assert (summary["replays"], summary["replayed_tokens"]) == (s.replays, s.replayed_tokens)
+
+
+def test_replay_seconds_are_estimated_from_the_cost_curve():
+    """Replays are costed as forwards of their mean width on the learnt curve."""
+    from mlx_lm_suffix.policy.cost import VerifyCost
+
+    drafter = bench.SuffixDrafter()
+    assert bench.replay_seconds(drafter, 2, 6) is None  # no curve yet
+    drafter.policy.cost = VerifyCost({1: 0.010, 4: 0.016})
+    assert bench.replay_seconds(drafter, 0, 0) == 0.0
+    assert bench.replay_seconds(drafter, 2, 6) == pytest.approx(2 * drafter.policy.cost(3))
+    assert drafter.policy.cost(1) < drafter.policy.cost(3) < drafter.policy.cost(4)
 
 
 def test_every_arm_is_compared_with_its_own_stock_pass():
@@ -163,6 +225,10 @@ def test_bench_server_arms_and_demo(tmp_path, tiny_model_path, models_dir, monke
     assert {m["requests"] for m in arms.values()} == {2}
     assert len({m["tokens"] for m in arms.values()}) == 1
     assert all(m["matched_reference"] for m in arms.values())
+    # Warm server arms print their drafter's cost curve and replays (qwen3: none).
+    assert "agentic server-suffix-warm@c2: verify cost " in result.output
+    stats = arms["server-suffix-warm-fixed@c2"]["server_stats"]
+    assert stats["batch"]["replays"] == stats["batch"]["replayed_tokens"] == 0
 
     # The demo where the real model's wheel cannot be had: the random model, scripted.
     from mlx_lm_suffix.tools import gguf

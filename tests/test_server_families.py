@@ -1,20 +1,23 @@
-"""``mlx_lm.server --draft suffix`` on model families whose caches do not all
-trim, served in batches: ``qwen3_5`` (GatedDeltaNet recurrent state,
-``ArraysCache``, next to attention) and ``gpt_oss`` (sliding windows,
-``RotatingKVCache``). Their tiny float32 models are built by
+"""``mlx_lm.server --draft suffix`` on every model family whose caches do not
+all trim, served in batches: sliding windows (``RotatingKVCache``: gpt_oss,
+gemma3_text), recurrent state next to attention (``ArraysCache``: qwen3_5,
+qwen3_next, lfm2, nemotron_h; mamba2 has no attention) and both in one layer
+(``CacheList``: falcon_h1). Their tiny float32 models are built by
 ``mlx_lm_suffix.tools.models`` and served from one saved folder by a stock
 server and a suffix server.
 
-Eight concurrent greedy requests (chat and text, prompts of different
-lengths, some repetitive, different ``max_tokens``) join one batch behind a
-long streamed "blocker" request; the same eight are sent again (warm: they
-draft from their first responses in the global cache). Every response's
-token ids must equal the stock server's, with their logprobs.
+Concurrent greedy requests (chat and text, prompts of different lengths,
+longer than the windows, some repetitive, different ``max_tokens``) join one
+batch behind a long streamed "blocker" request; the same are sent again
+(warm: they draft from their first responses in the global cache). Every
+response's token ids must equal the stock server's, with their logprobs.
+qwen3_5 and gpt_oss get eight requests; the other families, whose caches
+roll back the same ways, four shorter ones (to keep the suite's time).
 
-Both families' batches draft: ``qwen3_5`` restores its recurrent state and
-replays each row's kept tokens; ``gpt_oss`` (``BatchRotatingKVCache`` next to
-``BatchKVCache``) trims each row, also once its window has wrapped. Their
-single requests draft too.
+Every family's batches draft: recurrent state is restored and each row's
+kept tokens replayed; sliding windows (``BatchRotatingKVCache`` next to
+``BatchKVCache``) trim each row, also once wrapped. Single requests draft
+too, replaying where the state is recurrent.
 """
 
 from __future__ import annotations
@@ -43,6 +46,25 @@ REQUESTS: List[Tuple[str, str, int]] = [
     ("chat", "x = 1\ny = 2\n" * 8, 36),
     ("text", _source_text(4, n=90), 28),
 ]
+#: Four of them, shorter: for the families past the first two.
+SHORT_REQUESTS: List[Tuple[str, str, int]] = [
+    ("chat", _source_text(0, n=120), 16),
+    ("text", "Repeat after me: " + "one two three four " * 6, 24),
+    ("text", _source_text(3, n=320), 12),
+    ("chat", "x = 1\ny = 2\n" * 8, 20),
+]
+#: Family -> whether its caches hold recurrent state (a rejection then
+#: restores it and replays the kept tokens) rather than sliding windows.
+FAMILIES: Dict[str, bool] = {
+    "qwen3_5": True,
+    "gpt_oss": False,
+    "gemma3_text": False,
+    "qwen3_next": True,
+    "lfm2": True,
+    "nemotron_h": True,
+    "mamba2": True,
+    "falcon_h1": True,
+}
 BLOCKER_TOKENS = 2000
 # Logprobs of a batched verification forward and of stock's one-token
 # steps, in float32: equal up to rounding.
@@ -67,11 +89,17 @@ class Servers:
     family: str
     stock: Server
     suffix: Server
+    requests: List[Tuple[str, str, int]]
+
+    @property
+    def recurrent(self) -> bool:
+        return FAMILIES[self.family]
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "gpt_oss"])
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def servers(request, tiny_family_path, tmp_path_factory) -> Iterator[Servers]:
     family = request.param
+    requests = REQUESTS if family in ("qwen3_5", "gpt_oss") else SHORT_REQUESTS
     path = tiny_family_path(family)
     logs = tmp_path_factory.mktemp(f"{family}-server-logs")
     # Both load at once (each readiness wait is bounded).
@@ -80,7 +108,7 @@ def servers(request, tiny_family_path, tmp_path_factory) -> Iterator[Servers]:
     try:
         stock.wait_ready(120)
         suffix.wait_ready(120)
-        yield Servers(family, stock, suffix)
+        yield Servers(family, stock, suffix, requests)
     finally:
         suffix.stop()
         stock.stop()
@@ -115,8 +143,10 @@ def _send(server: Server, kind: str, prompt: str, max_tokens: int, **extra: Any)
     )
 
 
-def _concurrently(server: Server, blocker_extra: Dict[str, Any]) -> List[Output]:
-    """The eight requests at once, while a long streamed request keeps the
+def _concurrently(
+    server: Server, requests: List[Tuple[str, str, int]], blocker_extra: Dict[str, Any]
+) -> List[Output]:
+    """``requests`` at once, while a long streamed request keeps the
     batch busy (so that they queue up and join it together)."""
     client = server.client()
     blocker = client.chat.completions.create(
@@ -129,14 +159,14 @@ def _concurrently(server: Server, blocker_extra: Dict[str, Any]) -> List[Output]
     )
     try:
         next(iter(blocker))
-        barrier = threading.Barrier(len(REQUESTS), timeout=60)
+        barrier = threading.Barrier(len(requests), timeout=60)
 
         def one(spec: Tuple[str, str, int]) -> Output:
             barrier.wait()
             return _send(server, *spec)
 
-        with concurrent.futures.ThreadPoolExecutor(len(REQUESTS)) as pool:
-            return list(pool.map(one, REQUESTS))
+        with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+            return list(pool.map(one, requests))
     finally:
         blocker.close()  # client disconnect
 
@@ -156,10 +186,11 @@ def passes(servers: Servers) -> Dict[str, Any]:
     server's stats before and after."""
     stock_blocker: Dict[str, Any] = {}
     suffix_blocker = {"num_draft_tokens": 0}  # (its row stays in the verifications)
-    ref = [_concurrently(servers.stock, stock_blocker) for _ in range(2)]
+    reqs = servers.requests
+    ref = [_concurrently(servers.stock, reqs, stock_blocker) for _ in range(2)]
     before = servers.suffix.stats()
-    cold = _concurrently(servers.suffix, suffix_blocker)
-    warm = _concurrently(servers.suffix, suffix_blocker)
+    cold = _concurrently(servers.suffix, reqs, suffix_blocker)
+    warm = _concurrently(servers.suffix, reqs, suffix_blocker)
     after = servers.suffix.wait_idle()
     return {"ref": ref, "cold": cold, "warm": warm, "before": before, "after": after}
 
@@ -178,26 +209,27 @@ def test_batched_outputs_equal_stock(servers: Servers, passes: Dict[str, Any]) -
 
 def _batch_delta(passes: Dict[str, Any]) -> Dict[str, int]:
     before, after = passes["before"]["batch"], passes["after"]["batch"]
-    return {k: after[k] - before[k] for k in ("verify_steps", "replays", "verify_rows")} | {
+    keys = ("verify_steps", "replays", "replayed_tokens", "verify_rows")
+    return {k: after[k] - before[k] for k in keys} | {
         "max_verify_batch_size": after["max_verify_batch_size"]
     }
 
 
 def test_batch_drafting(servers: Servers, passes: Dict[str, Any]) -> None:
     """The batches verified drafts (several rows at once) and the warm pass
-    accepted drafts in every row; qwen3_5 restored and replayed its
-    recurrent state, gpt_oss's sliding windows trimmed (no replays). No
-    load-time warning that batches do not draft."""
+    accepted drafts in every row; recurrent state was restored and replayed
+    (each replay feeds each row at least one token), sliding windows
+    trimmed (no replays). No load-time warning that batches do not draft."""
     delta = _batch_delta(passes)
     warm = [o.usage["accepted_draft_tokens"] for o in passes["warm"]]
     cold = [o.usage["accepted_draft_tokens"] for o in passes["cold"]]
     after = passes["after"]
     assert after["active_requests"] == 0
     assert delta["verify_steps"] > 0 and delta["max_verify_batch_size"] >= 2, delta
-    if servers.family == "qwen3_5":
-        assert delta["replays"] > 0, delta
+    if servers.recurrent:
+        assert delta["replays"] > 0 and delta["replayed_tokens"] >= delta["replays"], delta
     else:
-        assert delta["replays"] == 0, delta
+        assert delta["replays"] == delta["replayed_tokens"] == 0, delta
     assert sum(warm) > sum(cold) >= 0
     # Every row drafts from its own cold response (the global cache).
     assert all(a > 0 for a in warm), warm
@@ -208,12 +240,22 @@ def test_single_requests_draft_and_serving_goes_on(
     servers: Servers, passes: Dict[str, Any]
 ) -> None:
     """After the batches, the suffix server still serves: a request with a
-    ``seed`` (not batchable: the single-request path) drafts for both
-    families, the warm one from its first response, with stock's tokens."""
+    ``seed`` (not batchable: the single-request path) drafts for every
+    family, the warm one from its first response, with stock's tokens, and
+    their replays (recurrent state, or a wrapped window) are counted."""
     kind, prompt, max_tokens = "chat", "seeded " + _source_text(6, n=150), 32
     ref = _send(servers.stock, kind, prompt, max_tokens, seed=7)
+    before = servers.suffix.stats()["models"][0]
     first = _send(servers.suffix, kind, prompt, max_tokens, seed=7)
     second = _send(servers.suffix, kind, prompt, max_tokens, seed=7)
     _assert_equal([first, second], [ref, ref], "single cold, warm")
     assert second.usage["accepted_draft_tokens"] > first.usage["accepted_draft_tokens"]
-    assert servers.suffix.wait_idle()["active_requests"] == 0
+    after = servers.suffix.wait_idle()
+    assert after["active_requests"] == 0
+    model = after["models"][0]
+    rejected = model["drafted"] - model["accepted"] - (before["drafted"] - before["accepted"])
+    replays = model["replays"] - before["replays"]
+    replayed = model["replayed_tokens"] - before["replayed_tokens"]
+    # A replay follows a verification that rejected some of its draft (a
+    # draft whose first token a plain step rejected is not verified).
+    assert replays <= rejected and replayed >= replays, (rejected, replays, replayed)

@@ -27,6 +27,15 @@ output is the workload's reference answer. For servers the processor is
 installed by :func:`serve_main` from ``$MLX_LM_SUFFIX_SCRIPT`` (a JSONL of
 ``{"prompt_ids", "reference_ids"}``).
 
+Each suffix arm also reports the verification cost curve its drafter
+learnt (``verify_cost``: a forward over ``n`` tokens relative to a plain
+step; ``None`` with fixed lengths, which learn none) and its replays (a
+rejection on a model with recurrent state restores the state and feeds the
+kept tokens again): ``replays``, ``replayed_tokens`` and ``replay_share``,
+the share of the arm's time those forwards took, estimated from the curve
+(timing them would add a sync to every replay). Server arms report theirs
+in ``server_stats``.
+
 Ratios are medians of per-repetition ratios to ``stock`` (the same
 repetition). Arms run interleaved, so that the machine's drift over a run
 weighs on all of them alike: in process, each request goes through every
@@ -336,6 +345,11 @@ class Sample:
     accepted: int = 0
     steps: int = 0
     matched: Optional[bool] = None
+    #: Replays and the tokens they fed (None: no drafter), and their
+    #: estimated seconds (None: no cost curve).
+    replays: Optional[int] = None
+    replayed_tokens: Optional[int] = None
+    replay_seconds: Optional[float] = None
 
 
 def _peak_memory() -> Optional[int]:
@@ -395,11 +409,23 @@ def generate_one(
     if drafter is not None:
         moved = drafter.stats.delta(before)
         s.drafted, s.accepted, s.steps = moved.drafted, moved.accepted, moved.steps
+        s.replays, s.replayed_tokens = moved.replays, moved.replayed_tokens
+        s.replay_seconds = replay_seconds(drafter, moved.replays, moved.replayed_tokens)
     if scripted:
         s.matched = out == req.reference_ids[: len(out)] and (
             len(out) == min(max_tokens, len(req.reference_ids))
         )
     return s, out
+
+
+def replay_seconds(drafter: SuffixDrafter, replays: int, tokens: int) -> Optional[float]:
+    """Estimated seconds of ``replays`` forwards over ``tokens`` in all,
+    from the drafter's cost curve (each as wide as their mean); None
+    without a curve."""
+    cost = drafter.policy.cost
+    if cost is None:
+        return None
+    return replays * cost(max(1, round(tokens / replays))) if replays else 0.0
 
 
 def arm_drafter(arm: str, drafter_kwargs: Optional[Dict[str, Any]] = None) -> Optional[SuffixDrafter]:
@@ -454,7 +480,12 @@ def run_inprocess_arms(
                 peaks[a] = max(peaks[a] or 0, peak)
             samples[a].append(s)
             tick()
-    return {a: summarize(samples[a], peak_memory=peaks[a]) for a in arms}
+    out = {a: summarize(samples[a], peak_memory=peaks[a]) for a in arms}
+    for a, drafter in drafters.items():
+        if drafter is not None:
+            cost = drafter.policy.cost
+            out[a]["verify_cost"] = cost.relative() if cost is not None else None
+    return out
 
 
 def oracle_length(arm: str) -> Optional[int]:
@@ -480,6 +511,8 @@ def summarize(
     steps = sum(s.steps for s in samples)
     tpots = [(s.seconds - s.ttft) / (s.tokens - 1) for s in samples if s.tokens > 1]
     matched = [s.matched for s in samples if s.matched is not None]
+    replays = [s for s in samples if s.replays is not None]
+    replay_s = [s.replay_seconds for s in replays if s.replay_seconds is not None]
     return {
         "requests": len(samples),
         "tokens": tokens,
@@ -497,6 +530,9 @@ def summarize(
         "tpot_s": statistics.mean(tpots) if tpots else None,
         "peak_memory_bytes": peak_memory,
         "matched_reference": all(matched) if matched else None,
+        "replays": sum(s.replays for s in replays) if replays else None,
+        "replayed_tokens": sum(s.replayed_tokens for s in replays) if replays else None,
+        "replay_share": sum(replay_s) / wall if replay_s and wall > 0 else None,
     }
 
 
@@ -864,7 +900,39 @@ def format_table(report: Dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
-    return head + "\n".join(lines)
+    return head + "\n".join(lines + replay_lines(report))
+
+
+def replay_lines(report: Dict[str, Any]) -> List[str]:
+    """A line per suffix arm: the cost curve its drafter learnt and its
+    replays (in-process: with their estimated share of the time; a server:
+    of batches and of single requests)."""
+
+    def curve(cost: Optional[Dict[Any, float]]) -> str:
+        if not cost:
+            return "verify cost -"
+        return "verify cost " + " ".join(f"{n}:{v:.2f}" for n, v in cost.items())
+
+    lines = ["", "verify cost = a forward over n tokens / a plain step's (learnt by the drafter)"]
+    for name, wl in report["workloads"].items():
+        for arm, m in wl["arms"].items():
+            stats = m.get("server_stats")
+            if stats is not None:
+                model = stats["models"][0] if stats.get("models") else {}
+                batch = stats["batch"]
+                lines.append(
+                    f"{name} {arm}: {curve(model.get('verify_cost'))}; replays: batched "
+                    f"{batch['replays']} ({batch['replayed_tokens']} tokens), single "
+                    f"{model.get('replays', 0)} ({model.get('replayed_tokens', 0)} tokens)"
+                )
+            elif "verify_cost" in m:
+                share = m.get("replay_share")
+                est = "" if share is None else f", about {share:.1%} of the time (estimated)"
+                lines.append(
+                    f"{name} {arm}: {curve(m['verify_cost'])}; replays {m['replays']} "
+                    f"({m['replayed_tokens']} tokens){est}"
+                )
+    return lines if len(lines) > 2 else []
 
 
 def plot(report: Dict[str, Any], path: str | os.PathLike) -> Optional[Path]:
