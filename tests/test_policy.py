@@ -163,9 +163,14 @@ def test_probability_scale_shortens_drafts():
     tail = _shrunk(0, 120, 0, 120)
     assert c.ratio(1, "first") == pytest.approx(first)
     assert c.ratio(1, "tail") == pytest.approx(tail)
-    # Match lengths not seen yet (long ones too) start from what their part
-    # has earned.
-    assert c.ratio(20, "first") == c.ratio(LONG_MATCH, "first") == pytest.approx(50 / 35)
+    # Match lengths not seen yet start from what their part has earned.
+    # Long matches (repeats) have pools of their own: short ones' distrust
+    # does not carry over, and a first token seen once after one (0.5: the
+    # request's own occurrence counts) starts out trusted.
+    assert c.ratio(20, "first") == pytest.approx(50 / 35)
+    assert c.ratio(90, "tail") == 1.0
+    assert c.ratio(LONG_MATCH, "first") == c.long_first_ratio == 2.0
+    assert c.scale([0.5, 0.5], LONG_MATCH) == [1.0, 1.0]
     assert c.ratio(20, "tail") == pytest.approx(10 / 130)
     # Flat estimates after a short match (one continuation known) are scaled
     # down after the first token too, so a pipelined tail no longer looks sure.
@@ -213,7 +218,7 @@ def test_probability_scale_shortens_drafts():
     m.update([0.9], accepted=0, match_len=3)
     assert m.ratio(3, "first") == pytest.approx(_shrunk(0, 0.9, 0, 0.9))
     assert m.ratio(3, "tail") == 1.0
-    assert m.expected == {("first", "tree", 1): 0.9, ("first", "tree"): 0.9}
+    assert m.expected == {("first", "tree", 1): 0.9, ("first", "tree", "short"): 0.9}
 
 
 def test_copies_are_trusted_apart_from_the_trees():

@@ -30,9 +30,16 @@ class Calibration:
     they extend.
 
     Constants: a cell starts from the ratio of its pool (its part and
-    source over all buckets), worth ``prior_expected`` tokens, so a cell
-    not verified yet is trusted as much as the traffic has earned; a pool
-    starts from ``prior_ratio`` (the estimates as they are). Counts are
+    source over the short buckets, or the long bucket alone), worth
+    ``prior_expected`` tokens, so a cell not verified yet is trusted as much
+    as the traffic has earned; a pool starts from ``prior_ratio`` (the
+    estimates as they are). Long matches (a repeated request, text copied
+    before) are pooled apart, so the distrust short template matches teach
+    does not carry over to repeats, and their first tokens start from
+    ``long_first_ratio``: there the trees' 0.5 for a continuation seen once
+    is their own occurrence counted, and a batch, which verifies only what
+    beats plain steps by a margin, would not draft repeats until it had
+    learnt that. Counts are
     halved once a cell has seen 500 expected tokens, so it keeps adapting.
     ``max_ratio`` bounds how far a streak of full acceptances can lift a
     low estimate (a continuation seen once reads 0.5 and may be lifted to
@@ -46,13 +53,18 @@ class Calibration:
     FORGET_AFTER = 500.0
 
     def __init__(
-        self, prior_expected: float = 10.0, prior_ratio: float = 1.0, max_ratio: float = 2.5
+        self,
+        prior_expected: float = 10.0,
+        prior_ratio: float = 1.0,
+        max_ratio: float = 2.5,
+        long_first_ratio: float = 2.0,
     ):
         self.prior_expected = prior_expected
         self.prior_ratio = prior_ratio
         self.max_ratio = max_ratio
+        self.long_first_ratio = long_first_ratio
         # Verified tokens' estimates and how many were accepted, per cell
-        # (part, source, bucket) and per pool (part, source).
+        # (part, source, bucket) and per pool (part, source, long or short).
         self.expected: Dict[tuple, float] = {}
         self.accepted: Dict[tuple, float] = {}
 
@@ -60,9 +72,15 @@ class Calibration:
     def bucket(cls, match_len: int) -> int:
         return bisect.bisect_left(cls.BUCKETS, match_len)
 
+    @classmethod
+    def _pool(cls, cell: tuple) -> tuple:
+        # (part, source, "long" or "short"): not a cell's key
+        return cell[0], cell[1], "long" if cell[2] == len(cls.BUCKETS) else "short"
+
     def _ratio(self, cell: tuple) -> float:
-        pool, prior = cell[:2], self.prior_expected
-        pooled = (self.accepted.get(pool, 0.0) + prior * self.prior_ratio) / (
+        pool, prior = self._pool(cell), self.prior_expected
+        start = self.long_first_ratio if pool == ("first", cell[1], "long") else self.prior_ratio
+        pooled = (self.accepted.get(pool, 0.0) + prior * start) / (
             self.expected.get(pool, 0.0) + prior
         )
         ratio = (self.accepted.get(cell, 0.0) + prior * pooled) / (
@@ -132,7 +150,7 @@ class Calibration:
                 self._add(("tail", *cell), q, int(accepted > i))
 
     def _add(self, cell: tuple, expected: float, accepted: float) -> None:
-        for key in (cell, cell[:2]):
+        for key in (cell, self._pool(cell)):
             e = self.expected.get(key, 0.0) + expected
             a = self.accepted.get(key, 0.0) + accepted
             if e > self.FORGET_AFTER:
