@@ -11,8 +11,10 @@ import mlx.nn as nn
 
 #: The forwards timed when a model is first used (after a one-token
 #: context; each after a warm-up run): a probe of a few plain steps' time.
-#: The rest of the curve is learnt from the verifications generation runs.
-CALIBRATION_SIZES = (1, 4)
+#: Past 8 the curve grows as its 2-8 segment does (a forward's fixed cost
+#: jumps from one token to a few, then grows slowly) until verifications
+#: time wider forwards.
+CALIBRATION_SIZES = (1, 2, 8)
 
 
 class VerifyCost:
