@@ -242,7 +242,7 @@ def parity_command(
     show_default=True,
     help="Architecture of the local random-weight model (ignored with --model): "
     "qwen3/llama have only KV caches; the others have sliding windows or "
-    "recurrent layers, which roll back by restoring and replaying.",
+    "recurrent layers (see the README's model families).",
 )
 @click.option(
     "--size",
