@@ -98,8 +98,9 @@ class Policy:
     def _explore(self, chosen: int, proposed: int) -> int:
         """``chosen`` (the rule's length), or after EXPLORE_AFTER refusals in
         a row, 2 tokens of a ``proposed`` draft that has them."""
+        if chosen:
+            self._refused = 0
         if chosen or proposed < 2:
-            self._refused = 0 if chosen else self._refused
             return chosen
         self._refused += 1
         if self._refused <= EXPLORE_AFTER:
@@ -125,10 +126,8 @@ class Policy:
             chosen = best_batch_lengths(probs, cost, True, replay)
             if check and not check_pays(probs, chosen, cost, replay):
                 chosen = [0] * len(drafts)
-            if not any(chosen) and self._explore(0, max(lengths)):
+            if self._explore(max(chosen), max(lengths)) and not any(chosen):
                 chosen = [min(n, 2) for n in lengths]
-            elif any(chosen):
-                self._refused = 0
             lengths = chosen
         return [n if n >= 2 or not pipelined else 0 for n in lengths]
 
