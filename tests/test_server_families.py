@@ -67,8 +67,10 @@ FAMILIES: Dict[str, bool] = {
 }
 BLOCKER_TOKENS = 2000
 # Logprobs of a batched verification forward and of stock's one-token
-# steps, in float32: equal up to rounding.
-LOGPROB_ATOL = 1e-4
+# steps, in float32: equal up to rounding, the tolerance test_families uses
+# for logits (a recurrent layer's multi-token scan sums in another order than
+# its one-token step: falcon_h1 differed by 4.8e-4 at a logprob of -4.93).
+LOGPROB_ATOL, LOGPROB_RTOL = 1e-4, 1e-3
 
 
 @dataclass
@@ -177,7 +179,9 @@ def _assert_equal(got: List[Output], ref: List[Output], what: str) -> None:
         where = f"{what}, request {i}"
         assert g.ids == r.ids, where
         assert (g.text, g.finish_reason) == (r.text, r.finish_reason), where
-        assert g.logprobs == pytest.approx(r.logprobs, abs=LOGPROB_ATOL), where
+        assert g.logprobs == pytest.approx(
+            r.logprobs, abs=LOGPROB_ATOL, rel=LOGPROB_RTOL
+        ), where
 
 
 @pytest.fixture(scope="module")
