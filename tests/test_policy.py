@@ -418,6 +418,27 @@ def test_calibration_on_the_loaded_model(tiny_model_path):
     assert before < cost(16) <= 4 * cost(4)
 
 
+def test_the_first_use_probe_feeds_a_few_tokens_where_forwards_are_slow(tiny_model_path):
+    # Where each forward takes longer than min_seconds (here: every forward,
+    # min_seconds=0), the probe is the one-token context and one run of each
+    # size: 3 forwards, 4 tokens, about three plain steps' time.
+    model, _ = load(str(tiny_model_path))
+    fed = []
+
+    class Counting:
+        args = model.args
+
+        def __call__(self, tokens, cache):
+            fed.append(tokens.shape[1])
+            return model(tokens, cache=cache)
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+    cost = VerifyCost.calibrate(Counting(), min_seconds=0.0)
+    assert fed == [1, 1, 2] and set(cost.points) == {1, 2}
+
+
 def test_a_curve_too_dear_to_remeasure_is_explored_now_and_then():
     # A 16-token verification timed in a load spike (26 plain steps, capped
     # at proportional): no draft pays on the learnt curve, so none would be

@@ -10,11 +10,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 #: The forwards timed when a model is first used (after a one-token
-#: context; each after a warm-up run): a probe of a few plain steps' time.
-#: Past 8 the curve grows as its 2-8 segment does (a forward's fixed cost
-#: jumps from one token to a few, then grows slowly) until verifications
-#: time wider forwards.
-CALIBRATION_SIZES = (1, 2, 8)
+#: context): a probe of about three plain steps' time where verification is
+#: dearest (a 2-token forward costs at most two). Past 2 the curve grows as
+#: its 1-2 segment does, an estimate that errs cheap where a forward's cost
+#: jumps from one token to a few and then grows slowly; each wider
+#: verification then becomes a point of its own (:meth:`VerifyCost.observe`).
+CALIBRATION_SIZES = (1, 2)
 
 
 class VerifyCost:
@@ -169,11 +170,10 @@ class VerifyCost:
         min_seconds: float = 0.05,
     ) -> "VerifyCost":
         """Time forwards of ``sizes`` tokens after a ``context``-token prefix
-        on a scratch cache, after one run that warms the kernels up: the
-        best of at least ``repeats`` runs each, more (up to 20) while a size
-        has taken less than ``min_seconds``, so the cheap forwards, the
-        noisiest, get the most runs; a forward slower than ten times
-        ``min_seconds`` gets one (its noise is small next to it)."""
+        (which warms the kernels up) on a scratch cache: the best of at
+        least ``repeats`` runs each, more (up to 20) while a size has taken
+        less than ``min_seconds`` in all, so the cheap forwards, the
+        noisiest, get the most runs and a slow one runs ``repeats`` times."""
         # Imported here: mlx_lm's import runs our patches, which import this.
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -187,18 +187,13 @@ class VerifyCost:
         mx.eval([c.state for c in cache])
         for n in sizes:
             best, spent, runs = float("inf"), 0.0, 0
-            # The first run warms up the kernels.
-            while runs <= repeats or (spent < min_seconds and runs <= 20):
+            while runs < repeats or (spent < min_seconds and runs < 20):
                 saved = rollback.checkpoint(cache)
                 tic = time.perf_counter()
                 out = model(tokens[None, context : context + n], cache=cache)
                 mx.eval(out)
                 took = time.perf_counter() - tic
-                if runs:
-                    best, spent = min(best, took), spent + took
-                runs += 1
+                best, spent, runs = min(best, took), spent + took, runs + 1
                 rollback.undo(cache, saved, n, n)
-                if runs == 2 and took > 10 * min_seconds:
-                    break
             points[n] = best
         return cls(points)
