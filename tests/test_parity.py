@@ -125,3 +125,22 @@ def test_cli_parity_exit_code_on_fail(tiny_model_path, prompts, tmp_path, monkey
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1
     assert "FAIL" in result.output
+
+
+def test_progress_names_each_prompt_and_run_with_its_tokens(tiny, prompts, monkeypatch):
+    # Every run's end is reported with its token count and the time left;
+    # with PROGRESS_EVERY 0 every token inside a run is reported too.
+    monkeypatch.setattr(par, "PROGRESS_EVERY", 0.0)
+    model, tokenizer = tiny
+    lines: list = []
+    results = par.parity(model, tokenizer, prompts[:2], max_tokens=MAX_TOKENS, report=lines.append)
+    ends = [line for line in lines if " tokens in " in line]
+    want = []
+    for i, res in enumerate(results):
+        want.append(f"prompt {i + 1}/2 spec-off: {res['tokens']} tokens in ")
+        want += [f"prompt {i + 1}/2 {r['run']}: {r['tokens']} tokens in " for r in res["runs"]]
+    assert [line[: len(w)] for line, w in zip(ends, want, strict=True)] == want
+    assert ends[-1].endswith("about 0 s left") and "left" in ends[0]
+    during = [line for line in lines if line not in ends]
+    assert len(during) == sum(res["tokens"] + sum(r["tokens"] for r in res["runs"]) for res in results)
+    assert during[0].startswith("prompt 1/2 spec-off: 1/") and during[0].endswith(" s")

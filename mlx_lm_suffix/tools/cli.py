@@ -220,6 +220,7 @@ def parity_command(
         num_draft_tokens=num_draft_tokens,
         top_k=top_k,
         tie_threshold=tie_threshold,
+        report=lambda line: click.echo(line, err=True),
     )
     click.echo(par.format_report(results))
     if json_out:

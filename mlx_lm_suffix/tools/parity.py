@@ -24,6 +24,7 @@ import functools
 import inspect
 import json
 import os
+import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
@@ -46,6 +47,8 @@ Prompt = Union[str, Sequence[int]]
 StepFn = Callable[..., Iterator[Tuple[int, mx.array, bool]]]
 
 _PROMPT_CHARS = 1500
+#: Seconds between progress reports inside one run.
+PROGRESS_EVERY = 10.0
 
 
 def _clip(text: str, n: int = _PROMPT_CHARS) -> str:
@@ -146,8 +149,52 @@ def _top_k(logprobs: mx.array, k: int) -> Dict[int, float]:
     return dict(zip(idx.tolist(), logprobs[idx].tolist(), strict=True))
 
 
+class Progress:
+    """Reports how a parity run goes to ``report`` (one line each): every
+    run's end (which prompt, tokens, seconds, and the time left estimated
+    from the seconds per run so far) and, inside a run, every
+    :data:`PROGRESS_EVERY` seconds the tokens so far."""
+
+    def __init__(self, report: Callable[[str], None], prompts: int, runs_per_prompt: int = 3):
+        self.report, self.runs_left = report, prompts * runs_per_prompt
+        self.prompts, self.start = prompts, time.perf_counter()
+        self.runs_done, self.what, self.run_start, self.last = 0, "", 0.0, 0.0
+
+    def begin(self, index: int, run: str) -> None:
+        self.what = f"prompt {index + 1}/{self.prompts} {run}"
+        self.run_start = self.last = time.perf_counter()
+
+    def token(self, tokens: int, max_tokens: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= PROGRESS_EVERY:
+            self.last = now
+            self.report(f"{self.what}: {tokens}/{max_tokens} tokens, {now - self.run_start:.0f} s")
+
+    def end(self, tokens: int) -> None:
+        now = time.perf_counter()
+        self.runs_done, self.runs_left = self.runs_done + 1, self.runs_left - 1
+        left = (now - self.start) / self.runs_done * self.runs_left
+        self.report(
+            f"{self.what}: {tokens} tokens in {now - self.run_start:.1f} s; "
+            f"about {_duration(left)} left"
+        )
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def _quiet(line: str) -> None:
+    pass
+
+
 def reference_run(
-    model: nn.Module, prompt: Sequence[int], max_tokens: int, eos: Sequence[int], top_k: int
+    model: nn.Module,
+    prompt: Sequence[int],
+    max_tokens: int,
+    eos: Sequence[int],
+    top_k: int,
+    progress: Optional[Progress] = None,
 ) -> Tuple[List[int], List[Dict[int, float]]]:
     """Spec-off greedy tokens and, per position, the top-k ``{token: logprob}``."""
     tokens: List[int] = []
@@ -155,6 +202,8 @@ def reference_run(
     for tok, logprobs in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
         tokens.append(int(tok))
         tops.append(_top_k(logprobs, top_k))
+        if progress:
+            progress.token(len(tokens), max_tokens)
         if tok in eos:
             break
     return tokens, tops
@@ -210,6 +259,7 @@ def parity(
     top_k: int = DEFAULT_TOP_K,
     tie_threshold: float = DEFAULT_TIE_THRESHOLD,
     step_fn: StepFn = suffix_generate_step,
+    report: Callable[[str], None] = _quiet,
 ) -> List[Dict[str, Any]]:
     """Compare spec-off and spec-on greedy decoding on each prompt.
 
@@ -224,6 +274,7 @@ def parity(
         step_fn: The spec-on generator, called like
             :func:`suffix_generate_step` ``(prompt, model, drafter,
             num_draft_tokens=..., max_tokens=...)``; tests inject broken ones.
+        report: Called with a line of progress (see :class:`Progress`).
 
     Returns:
         Per prompt: ``index``, ``prompt`` (a short preview),
@@ -239,12 +290,16 @@ def parity(
     # Fixed-length drafting: verify every draft the trees offer, whether or
     # not it would pay, so that as many tokens as possible are checked.
     drafter = SuffixDrafter(num_draft_tokens=num_draft_tokens, policy="fixed")
+    progress = Progress(report, len(prompts))
     results = []
     for index, prompt in enumerate(prompts):
         ids = encode_prompt(tokenizer, prompt)
-        reference, tops = reference_run(model, ids, max_tokens, eos, top_k)
+        progress.begin(index, "spec-off")
+        reference, tops = reference_run(model, ids, max_tokens, eos, top_k, progress)
+        progress.end(len(reference))
         runs = []
         for name in ("first", "repeat"):
+            progress.begin(index, name)
             before = drafter.snapshot()
             tokens: List[int] = []
             from_draft = 0
@@ -257,8 +312,10 @@ def parity(
             ):
                 tokens.append(int(tok))
                 from_draft += bool(drafted)
+                progress.token(len(tokens), max_tokens)
                 if tok in eos:
                     break
+            progress.end(len(tokens))
             after = drafter.snapshot()
             runs.append(
                 {
