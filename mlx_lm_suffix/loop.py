@@ -289,21 +289,29 @@ def suffix_generate_step(
         try:
             pending = _prefill(seq, prompt, stream, prefill_step_size, prompt_progress_callback)
             settled = False
-            plain_tic = None  # when a plain step that nothing overlaps started
+            # When the token of a pipelined plain step was ready, the
+            # consumer's time after it excluded.
+            plain_at = None
             while True:
                 tok, logprobs = pending
                 # Pipelined: queue the next forward before syncing on this one.
                 nxt = None if settled else seq.queue(tok)
                 t = tok.item()
-                if plain_tic is not None:
-                    # Timed as verifications are, so cost(1) stays comparable.
-                    policy.observe(1, time.perf_counter() - plain_tic)
-                    plain_tic = None
+                ready = time.perf_counter()
+                if plain_at is not None:
+                    # From one token to the next of pipelined plain steps:
+                    # a plain step's wall time, as a verification's is its
+                    # forward's (one queued after the settled step would
+                    # count two forwards on a backend that computes while
+                    # queueing, as the CPU's).
+                    policy.observe(1, ready - plain_at)
+                    plain_at = None
                 if not settled:
                     drafter.record()  # the plain step that gave t
                 seq.emit(t)
                 in_cache = nxt is not None
                 yield t, logprobs[0], False
+                consumer = time.perf_counter() - ready
                 if seq.emitted >= limit:
                     break
                 if seq.emitted % 256 == 0:
@@ -312,9 +320,10 @@ def suffix_generate_step(
                 draft = seq.draft(pipelined=nxt is not None)
                 if not draft:  # the plain step
                     if nxt is None:
-                        plain_tic = time.perf_counter()
                         nxt = seq.queue(tok)
                         in_cache = True
+                    else:
+                        plain_at = ready + consumer
                     seq.fed(tok)
                     pending, settled = nxt, False
                     continue

@@ -508,3 +508,34 @@ def test_logits_processors_see_the_whole_context(model_and_tokenizer):
     full = prompt + out
     assert seen and all(len(s) >= len(prompt) and s == full[: len(s)] for s in seen)
     assert {len(s) for s in seen} >= set(range(len(prompt), len(full)))
+
+
+def test_a_plain_step_is_timed_as_one_forward(model_and_tokenizer):
+    # Where the backend computes while a forward is queued (as the CPU's;
+    # here: a sleep per forward, whatever its width), a plain step queued
+    # after a verification overlaps nothing: timing it up to the next token
+    # would count the next forward too (2 sleeps). The learnt plain step
+    # must stay one forward's time.
+    import statistics
+    import time
+
+    model, tokenizer = model_and_tokenizer
+    nap = 0.04
+
+    class Slow:
+        def __call__(self, *args, **kwargs):
+            time.sleep(nap)
+            return model(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+    drafter = SuffixDrafter(policy="fixed", cost=VerifyCost({1: nap}))
+    seen = []
+    observe = drafter.policy.observe
+    drafter.policy.observe = lambda n, s, rows=1: (seen.append((n, s)), observe(n, s, rows))
+    for prompt in _prompts(tokenizer, 6)[1::2]:
+        _, drafted = _suffix(Slow(), prompt, drafter, max_tokens=64)
+        assert drafted > 0
+    plain = [s for n, s in seen if n == 1]
+    assert len(plain) >= 5 and statistics.median(plain) < 1.6 * nap
