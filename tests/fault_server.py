@@ -61,7 +61,10 @@ def _note_width(inputs) -> None:
     width = inputs.shape[-1]
     if caller in _DRAFTING and width > _widest[0]:
         _widest[0] = width
-        print(f"fault_server: widest forward {width}", file=sys.stderr, flush=True)
+        # One write per line: print() writes the newline apart, and a log
+        # line of another thread can land in between.
+        sys.stderr.write(f"fault_server: widest forward {width}\n")
+        sys.stderr.flush()
 
 
 def _make_faulty(model) -> None:
