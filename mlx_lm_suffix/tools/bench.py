@@ -399,13 +399,15 @@ def generate_one(
     out: List[int] = []
     t0 = time.perf_counter()
     ttft = 0.0
+    forwards = 0  # stock's: one per token generated, an EOS included
     for resp in mlx_lm.stream_generate(model, tokenizer, req.prompt_ids, max_tokens=max_tokens, **kwargs):
         if not out and resp.generation_tokens:
             ttft = time.perf_counter() - t0
+        forwards += 1
         if resp.finish_reason != "stop" or resp.token not in tokenizer.eos_token_ids:
             out.append(int(resp.token))
     seconds = time.perf_counter() - t0
-    s = Sample(tokens=len(out), seconds=seconds, ttft=ttft, steps=len(out))
+    s = Sample(tokens=len(out), seconds=seconds, ttft=ttft, steps=forwards)
     if drafter is not None:
         moved = drafter.stats.delta(before)
         s.drafted, s.accepted, s.steps = moved.drafted, moved.accepted, moved.steps
