@@ -99,6 +99,28 @@ def test_interleaved_arms_keep_their_own_drafters(loaded, requests):
     assert all(r["matched_reference"] for r in both.values())
 
 
+def test_real_output_is_compared_with_stock(loaded, requests, monkeypatch):
+    # Not scripted (a real model's own output): each arm's tokens are checked
+    # against stock's for the same request; an arm that emits other tokens
+    # is caught.
+    model, tokenizer = loaded
+    eos = sorted(tokenizer.eos_token_ids)[0]
+    reqs = requests["code-edit"][:2]
+    arms = ["stock", "suffix-cold-fixed"]
+    runs = bench.run_inprocess_arms(arms, model, tokenizer, reqs, 16, False, eos)
+    assert runs["stock"]["matched_reference"] is None
+    assert runs["suffix-cold-fixed"]["matched_reference"] is True
+    generate_one = bench.generate_one
+
+    def off_by_one(model, tokenizer, req, max_tokens, drafter, *args, **kwargs):
+        s, out = generate_one(model, tokenizer, req, max_tokens, drafter, *args, **kwargs)
+        return s, out if drafter is None else out[:-1] + [out[-1] + 1]
+
+    monkeypatch.setattr(bench, "generate_one", off_by_one)
+    runs = bench.run_inprocess_arms(arms, model, tokenizer, reqs, 16, False, eos)
+    assert runs["suffix-cold-fixed"]["matched_reference"] is False
+
+
 def test_bench_command(tmp_path, tiny_model_path):
     out = tmp_path / "out"
     result = CliRunner().invoke(
@@ -246,3 +268,22 @@ def test_bench_server_arms_and_demo(tmp_path, tiny_model_path, models_dir, monke
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert "falling back to the random-weight model" in result.output
     assert "outputs identical, follow the reference" in result.output
+
+
+def test_real_server_answers_are_compared_with_stock(requests, monkeypatch):
+    # The same for server arms: each answer against the stock server's answer
+    # to the same request (the fake servers differ on one request only).
+    reqs = requests["agentic"][:4]
+    odd = reqs[2]
+
+    def fake(url, req, max_tokens, timeout=600.0):
+        text = f"answer {req.prompt_ids[-3:]}" + ("!" if url == "suffix" and req is odd else "")
+        return bench.Sample(3, 0.01, 0.001, steps=3), text
+
+    monkeypatch.setattr(bench, "http_generate", fake)
+    urls = {"stock": "stock", "suffix": "suffix"}
+    runs = bench.run_server_arms(urls, reqs, 8, 2, False)
+    assert runs["stock"]["matched_reference"] is None
+    assert runs["suffix"]["matched_reference"] is False
+    monkeypatch.setattr(bench, "http_generate", lambda url, req, *a, **k: fake("stock", req, 8))
+    assert bench.run_server_arms(urls, reqs, 8, 2, False)["suffix"]["matched_reference"] is True

@@ -462,7 +462,9 @@ def run_inprocess_arms(
     """Run ``requests`` (in order) through every in-process arm, interleaved:
     each request goes through all arms in turn, in an order that alternates
     from request to request, so that the machine's drift over the run weighs
-    on every arm alike. Each arm keeps its own drafter across the requests."""
+    on every arm alike. Each arm keeps its own drafter across the requests.
+    ``matched_reference``: in scripted mode, whether the output followed the
+    reference; otherwise (real output), whether it equals stock's tokens."""
     drafters = {a: arm_drafter(a, drafter_kwargs) for a in arms}
     for a, drafter in drafters.items():
         if drafter is None:
@@ -474,14 +476,20 @@ def run_inprocess_arms(
     samples: Dict[str, List[Sample]] = {a: [] for a in arms}
     peaks: Dict[str, Optional[int]] = {a: None for a in arms}
     for i, req in enumerate(requests):
+        outs = {}
         for a in arms if i % 2 == 0 else list(reversed(arms)):
             _reset_peak_memory()
-            s, _ = generate_one(model, tokenizer, req, max_tokens, drafters[a], scripted, eos_id)
+            s, outs[a] = generate_one(model, tokenizer, req, max_tokens, drafters[a], scripted, eos_id)
             peak = _peak_memory()
             if peak is not None:
                 peaks[a] = max(peaks[a] or 0, peak)
             samples[a].append(s)
             tick()
+        if not scripted and "stock" in outs:
+            # Real output: each arm's tokens against stock's.
+            for a in arms:
+                if a != "stock":
+                    samples[a][-1].matched = outs[a] == outs["stock"]
     out = {a: summarize(samples[a], peak_memory=peaks[a]) for a in arms}
     for a, drafter in drafters.items():
         if drafter is not None:
@@ -623,7 +631,9 @@ def run_server_arms(
     order), interleaved: the sessions go in waves of ``concurrency``, each
     wave to every server in turn, in an order that alternates from wave to
     wave, so that the machine's drift weighs on every server alike. A
-    server's time is the sum of its waves'."""
+    server's time is the sum of its waves'. ``matched_reference``: as for
+    :func:`run_inprocess_arms` (real output: each answer's text against the
+    stock server's)."""
     sessions: Dict[str, List[Request]] = {}
     for r in requests:
         sessions.setdefault(r.session, []).append(r)
@@ -633,6 +643,8 @@ def run_server_arms(
     walls = dict.fromkeys(names, 0.0)
     lock = threading.Lock()
 
+    texts: Dict[str, Dict[int, Tuple[Sample, str]]] = {n: {} for n in names}
+
     def run_session(name: str, reqs: List[Request]) -> None:
         for r in reqs:
             s, text = http_generate(urls[name], r, max_tokens)
@@ -640,6 +652,7 @@ def run_server_arms(
                 s.matched = r.reference.startswith(text) and len(text) > 0
             with lock:
                 samples[name].append(s)
+                texts[name][id(r)] = s, text
             tick()
 
     for w, start in enumerate(range(0, len(groups), concurrency)):
@@ -650,6 +663,12 @@ def run_server_arms(
                 for f in [pool.submit(run_session, name, reqs) for reqs in wave]:
                     f.result()
             walls[name] += time.perf_counter() - t0
+    if not scripted and "stock" in texts:
+        # Real output: each server's answer against the stock server's.
+        for name in names:
+            if name != "stock":
+                for key, (s, text) in texts[name].items():
+                    s.matched = text == texts["stock"][key][1]
     return {n: summarize(samples[n], wall=walls[n]) for n in names}
 
 
