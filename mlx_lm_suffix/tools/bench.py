@@ -686,8 +686,8 @@ def is_local_random_model(path: str) -> bool:
     """True for a model folder built by :mod:`mlx_lm_suffix.tools.models`
     (not for the real models converted by :mod:`mlx_lm_suffix.tools.gguf`,
     which share its cache)."""
+    from .cache import cache_root
     from .gguf import is_converted
-    from .models import cache_root
 
     try:
         p = Path(path).resolve()

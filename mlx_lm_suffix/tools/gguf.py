@@ -39,7 +39,7 @@ from typing import Any, Dict, Optional, Tuple
 import mlx.core as mx
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from .models import cache_root
+from .cache import cache_root
 
 __all__ = [
     "DTYPES",

@@ -31,6 +31,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from .cache import cache_root
+
 __all__ = [
     "CACHE_VERSION",
     "CHAT_TEMPLATE",
@@ -224,20 +226,6 @@ def build_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenizer:
     )
     tokenizer.train_from_iterator(_training_corpus(), trainer=trainer)
     return tokenizer
-
-
-def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Root of the cache: ``cache_dir``, else ``$MLX_LM_SUFFIX_HOME``,
-    else ``$XDG_CACHE_HOME/mlx_lm_suffix`` (default ``~/.cache/mlx_lm_suffix``).
-
-    Models live in ``<root>/models/``, tokenizers in ``<root>/tokenizers/``.
-    """
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    if home := os.environ.get("MLX_LM_SUFFIX_HOME"):
-        return Path(home).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
-    return Path(xdg).expanduser() / "mlx_lm_suffix"
 
 
 def get_tokenizer(
