@@ -156,7 +156,7 @@ class Progress:
     :data:`PROGRESS_EVERY` seconds the tokens so far."""
 
     def __init__(self, report: Callable[[str], None], prompts: int, runs_per_prompt: int = 3):
-        self.report, self.runs_left = report, prompts * runs_per_prompt
+        self.report, self.runs = report, prompts * runs_per_prompt
         self.prompts, self.start = prompts, time.perf_counter()
         self.runs_done, self.what, self.run_start, self.last = 0, "", 0.0, 0.0
 
@@ -172,8 +172,8 @@ class Progress:
 
     def end(self, tokens: int) -> None:
         now = time.perf_counter()
-        self.runs_done, self.runs_left = self.runs_done + 1, self.runs_left - 1
-        left = (now - self.start) / self.runs_done * self.runs_left
+        self.runs_done += 1
+        left = (now - self.start) / self.runs_done * (self.runs - self.runs_done)
         self.report(
             f"{self.what}: {tokens} tokens in {now - self.run_start:.1f} s; "
             f"about {_duration(left)} left"
