@@ -81,7 +81,9 @@ class Server(ServerProcess):
         return self.get("/v1/suffix/stats")
 
     def wait_idle(self, timeout=60):
-        """Poll the stats until no request is active; returns the stats."""
+        """Poll the stats until no request is active; returns the stats
+        (of a server with the global cache scope: the others show no
+        traffic counters)."""
         deadline = time.monotonic() + timeout
         while True:
             stats = self.stats()
@@ -391,6 +393,27 @@ def test_disconnects_leave_no_active_request(suffix_server):
 
 
 # --------------------------------------------------------- stats, usage
+# The stats' traffic counters: shown with the global cache scope only.
+TRAFFIC = ("drafted", "accepted", "tokens", "steps", "requests", "active_requests",
+           "cached_requests", "cached_tokens", "tree_responses", "acceptance_rate",
+           "tokens_per_step")
+# What a model's entry shows where tenants are isolated.
+MODEL_SETTINGS = {"model", "drafting", "limits", "batch", "cache_file"}
+
+
+def assert_no_traffic_counters(stats):
+    """Stats of a server whose cache is partitioned by tenant: settings,
+    limits and batch counters, no traffic totals."""
+    assert stats["traffic_counters"] is False
+    assert not set(TRAFFIC) & set(stats), stats
+    for m in stats["models"]:
+        assert set(m) == MODEL_SETTINGS, m
+        assert m["limits"]["num_draft_tokens"] == DEFAULT_NUM_DRAFT_TOKENS
+        assert "verify_steps" in m["batch"]
+    assert {"policy", "num_draft_tokens", "cache_file", "scope"} <= set(stats)
+    assert "verify_steps" in stats["batch"]
+
+
 def test_repeated_request_drafts_from_earlier_response(suffix_server):
     x = suffix_server.client()
     text = _source_text(50)
@@ -402,17 +425,15 @@ def test_repeated_request_drafts_from_earlier_response(suffix_server):
     assert u.accepted_draft_tokens / u.draft_tokens > 0.9
     assert u.accepted_draft_tokens >= 0.9 * (u.completion_tokens - 1)
     stats = suffix_server.stats()
-    for key in (
-        "drafted",
-        "accepted",
-        "acceptance_rate",
-        "tokens_per_step",
-        "active_requests",
-        "cached_requests",
-        "cached_tokens",
-    ):
+    # The global scope: traffic counters, the server's and each model's.
+    assert stats["traffic_counters"] is True
+    for key in TRAFFIC:
         assert key in stats
     assert stats["cached_requests"] >= 2 and stats["tokens_per_step"] > 1
+    assert stats["drafted"] > 0 and stats["accepted"] > 0
+    model = stats["models"][0]
+    assert model["accepted"] > 0 and model["lengths"] and "probability_scale" in model
+    assert model["limits"]["num_draft_tokens"] == DEFAULT_NUM_DRAFT_TOKENS
 
 
 def test_single_request_path_drafts(stock_server, suffix_server):
@@ -485,7 +506,8 @@ def test_stock_server_unchanged(stock_server):
 
 
 # ------------------------------------------------------------- isolation
-def test_user_scope_isolates_callers(tiny_model_path, logs):
+def test_user_scope_isolates_callers(tiny_model_path, logs, tmp_path):
+    cache_file = tmp_path / "cache.json"  # what is kept: read after the server stops
     server = Server(
         tiny_model_path,
         *SUFFIX_FIXED,
@@ -493,6 +515,8 @@ def test_user_scope_isolates_callers(tiny_model_path, logs):
         "user",
         "--suffix-max-cached-requests",
         "3",
+        "--suffix-cache-file",
+        cache_file,
         log_dir=logs,
         name="user",
     )
@@ -516,27 +540,33 @@ def test_user_scope_isolates_callers(tiny_model_path, logs):
         )
         assert a2[2].accepted_draft_tokens > a1[2].accepted_draft_tokens
         assert a2[2].accepted_draft_tokens / a2[2].draft_tokens > 0.9
-        stats = server.wait_idle()
+        stats = server.stats()
         assert stats["scope"] == "user"
-        # Four responses, at most three kept (oldest evicted first).
-        assert stats["cached_requests"] == 3 and stats["active_requests"] == 0
+        assert_no_traffic_counters(stats)
         status, reply = server.post(
             "/v1/chat/completions", {"messages": _messages("hi"), "max_tokens": 4, "user": 5}
         )
         assert status == 400 and "user" in reply["error"]
     finally:
         server.stop()
+    # Four responses, at most three kept (oldest evicted first): alice's
+    # second, bob's and carol's, three scopes.
+    saved = read_cache_file(cache_file, _model_id(tiny_model_path))
+    assert len(saved) == 3 and len({scope for scope, _ in saved}) == 3
 
 
-def test_header_scope_trusts_only_the_header(tiny_model_path, logs):
+def test_header_scope_trusts_only_the_header(tiny_model_path, logs, tmp_path):
     """--suffix-cache-scope header:NAME: the scope is NAME's value alone (the
     ``user`` field and API key do not count), and requests without it share
-    nothing, not even with each other."""
+    nothing, not even with each other. The stats show no traffic counters."""
+    cache_file = tmp_path / "cache.json"  # what is kept: read after the server stops
     server = Server(
         tiny_model_path,
         *SUFFIX_FIXED,
         "--suffix-cache-scope",
         "header:X-Forwarded-User",
+        "--suffix-cache-file",
+        cache_file,
         log_dir=logs,
         name="header",
     )
@@ -558,10 +588,9 @@ def test_header_scope_trusts_only_the_header(tiny_model_path, logs):
             assert (r[2].draft_tokens, r[2].accepted_draft_tokens) == first
         assert a2[2].accepted_draft_tokens > a1[2].accepted_draft_tokens
         assert a2[2].accepted_draft_tokens / a2[2].draft_tokens > 0.9
-        stats = server.wait_idle()
-        # alice's two and mallory's responses are kept, the private ones not.
-        assert stats["cached_requests"] == 3 and stats["active_requests"] == 0
+        stats = server.stats()
         assert stats["scope"] == "header" and "Forwarded" not in json.dumps(stats)
+        assert_no_traffic_counters(stats)
         status, reply = server.post_twice_named(
             "/v1/chat/completions",
             {"messages": _messages("hi"), "max_tokens": 4},
@@ -571,8 +600,12 @@ def test_header_scope_trusts_only_the_header(tiny_model_path, logs):
         assert server.post(
             "/v1/chat/completions", {"messages": _messages("hi"), "max_tokens": 4}
         )[0] == 200
+        assert_no_traffic_counters(server.stats())
     finally:
         server.stop()
+    # alice's two and mallory's responses are kept, the private ones not.
+    saved = read_cache_file(cache_file, _model_id(tiny_model_path))
+    assert len(saved) == 3 and len({scope for scope, _ in saved}) == 2
 
 
 # ----------------------------------------------------------- persistence

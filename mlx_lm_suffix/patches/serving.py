@@ -177,10 +177,17 @@ class SuffixServing:
 
     # ------------------------------------------------------------- stats
     def stats_payload(self) -> Dict[str, Any]:
-        """The body of ``GET /v1/suffix/stats``: settings and counters summed
-        over all requests, for anyone who can reach the server. Nothing in it
-        names a file or path (models by folder name or repo id, whether a
-        cache file is set), a scope or a header."""
+        """The body of ``GET /v1/suffix/stats``, for anyone who can reach the
+        server: settings, the drafters' limits and the batch counters, and
+        with the global cache scope the counters summed over all requests
+        (drafted, accepted, tokens, cache occupancy, the calibration and
+        cost curves). Where the cache is partitioned by tenant
+        (``--suffix-cache-scope`` user or header:NAME) those traffic
+        counters are left out (``traffic_counters: false``): they are every
+        tenant's traffic. Nothing in it names a file or path (models by
+        folder name or repo id, whether a cache file is set), a scope or a
+        header."""
+        traffic = self.scope == "global"
         keys = ("drafted", "accepted", "tokens", "steps", "requests")
         totals = dict.fromkeys(keys, 0)
         totals.update(active_requests=0, cached_requests=0, cached_tokens=0, tree_responses=0)
@@ -191,27 +198,33 @@ class SuffixServing:
         for e in entries:
             m: Dict[str, Any] = {"model": e.name, "drafting": e.drafter is not None}
             if e.drafter is not None:
-                snap = e.drafter.snapshot()
-                m.update(snap)
-                for k in totals:
-                    totals[k] += snap[k]
+                m["limits"] = e.drafter.config()
+                if traffic:
+                    snap = e.drafter.snapshot()
+                    m.update(snap)
+                    for k in totals:
+                        totals[k] += snap[k]
             m["batch"] = e.batch_stats.as_dict()
             m["cache_file"] = e.persisted
             batch.merge(e.batch_stats)
             models.append(m)
-        return {
+        payload: Dict[str, Any] = {
             "object": "suffix.stats",
             "draft": SUFFIX,
             "num_draft_tokens": self.num_draft_tokens,
             "policy": getattr(self.cli_args, "suffix_policy", None),
             "scope": "header" if self.scope.startswith(HEADER_SCOPE) else self.scope,
             "cache_file": self.cache_file is not None,
-            **totals,
-            "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0,
-            "tokens_per_step": totals["tokens"] / totals["steps"] if totals["steps"] else 0.0,
-            "batch": batch.as_dict(),
-            "models": models,
+            "traffic_counters": traffic,
         }
+        if traffic:
+            payload.update(
+                totals,
+                acceptance_rate=totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0,
+                tokens_per_step=totals["tokens"] / totals["steps"] if totals["steps"] else 0.0,
+            )
+        payload.update(batch=batch.as_dict(), models=models)
+        return payload
 
 
 def _model_name(model_path: str) -> str:
