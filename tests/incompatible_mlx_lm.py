@@ -1,10 +1,16 @@
-"""Test-only launcher: mlx-lm as a later version might be, with a
-``ResponseGenerator._tokenize`` that takes one more parameter than mlx-lm
-0.32.x has, and mlx_lm_suffix installed after that change.
+"""Test-only launcher: mlx-lm as a later version might be, and
+mlx_lm_suffix installed after that change. CHANGE picks what changed:
 
-    MLX_LM_SUFFIX_AUTOLOAD=0 python tests/incompatible_mlx_lm.py server ARGS...
-    MLX_LM_SUFFIX_AUTOLOAD=0 python tests/incompatible_mlx_lm.py generate ARGS...
-    MLX_LM_SUFFIX_AUTOLOAD=0 python tests/incompatible_mlx_lm.py api MODEL
+- ``signature``: ``ResponseGenerator._tokenize`` takes one more parameter
+  than mlx-lm 0.32.x has;
+- ``missing``: ``ResponseGenerator._next_request``, a private method that
+  mlx_lm_suffix wraps, is gone (deleted from the class: the stock server's
+  own generation loop calls it, so a server cannot serve there; the
+  generate command and API do not use it).
+
+    MLX_LM_SUFFIX_AUTOLOAD=0 python tests/incompatible_mlx_lm.py CHANGE server ARGS...
+    MLX_LM_SUFFIX_AUTOLOAD=0 python tests/incompatible_mlx_lm.py CHANGE generate ARGS...
+    MLX_LM_SUFFIX_AUTOLOAD=0 python tests/incompatible_mlx_lm.py CHANGE api MODEL
 
 ``server`` and ``generate`` run mlx-lm's ``main()`` with ARGS. ``api`` prints
 stock ``mlx_lm.generate``'s text, then what ``stream_generate`` answers to a
@@ -15,14 +21,18 @@ import sys
 
 import mlx_lm.server as server
 
-stock_tokenize = server.ResponseGenerator._tokenize
+change = sys.argv.pop(1)
+if change == "signature":
+    stock_tokenize = server.ResponseGenerator._tokenize
 
+    def _tokenize(self, tokenizer, request, args, segment=True):
+        return stock_tokenize(self, tokenizer, request, args)
 
-def _tokenize(self, tokenizer, request, args, segment=True):
-    return stock_tokenize(self, tokenizer, request, args)
-
-
-server.ResponseGenerator._tokenize = _tokenize
+    server.ResponseGenerator._tokenize = _tokenize
+elif change == "missing":
+    del server.ResponseGenerator._next_request
+else:
+    sys.exit(f"unknown change {change!r}: signature or missing")
 
 import mlx_lm  # noqa: E402
 

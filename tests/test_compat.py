@@ -21,8 +21,11 @@ from test_server import Server, _messages  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
 LAUNCHER = [sys.executable, str(Path(__file__).with_name("incompatible_mlx_lm.py"))]
-# What the launcher changed, as compat.missing() names it.
-CHANGED = "mlx_lm.server.ResponseGenerator._tokenize(self, tokenizer, request, args)"
+# What the launcher changes (its CHANGE argument), as compat.missing() names it.
+CHANGES = {
+    "signature": "mlx_lm.server.ResponseGenerator._tokenize(self, tokenizer, request, args)",
+    "missing": "mlx_lm.server.ResponseGenerator._next_request",
+}
 # mlx_lm_suffix imported by the scripts, not by the .pth at start-up.
 NO_AUTOLOAD = {"MLX_LM_SUFFIX_AUTOLOAD": "0"}
 
@@ -74,9 +77,9 @@ def test_missing_names_what_changed(monkeypatch):
     ]
 
 
-def _run(*args):
+def _run(change, *args):
     return subprocess.run(
-        [*LAUNCHER, *map(str, args)],
+        [*LAUNCHER, change, *map(str, args)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -84,27 +87,31 @@ def _run(*args):
     )
 
 
-def _one_warning(stderr):
+def _one_warning(stderr, change):
     lines = [line for line in stderr.splitlines() if "mlx-lm-suffix supports" in line]
     assert len(lines) == 1, stderr
     supports = f"supports mlx-lm {compat.SUPPORTED_VERSIONS}; mlx-lm {mlx_lm.__version__} lacks "
-    assert supports + CHANGED in lines[0]
+    assert supports + CHANGES[change] in lines[0]
     assert lines[0].endswith("mlx-lm runs stock, without suffix decoding.")
 
 
-def _one_line_refusal(out, what):
+def _one_line_refusal(out, what, change):
     """The process exits 2 with the warning and one error line naming
     ``what`` and the supported versions, not a traceback."""
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr
-    _one_warning(out.stderr)
+    _one_warning(out.stderr, change)
     errors = [line for line in out.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1, out.stderr
     assert f"{what} needs mlx-lm {compat.SUPPORTED_VERSIONS}" in errors[0]
-    assert CHANGED in errors[0]
+    assert CHANGES[change] in errors[0]
 
 
-def test_incompatible_generate_stays_stock(tiny_model_path):
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_incompatible_generate_stays_stock(tiny_model_path, change):
+    """A wrapped private method of another signature, or missing outright:
+    stock generation (command and API) as without the plugin, one warning,
+    and one-line refusals of suffix drafting."""
     prompt = ("--prompt", "one two three one two", "--max-tokens", "8", "--ignore-chat-template")
     stock = subprocess.run(
         [sys.executable, "-m", "mlx_lm", "generate", "--model", tiny_model_path, *prompt],
@@ -114,49 +121,57 @@ def test_incompatible_generate_stays_stock(tiny_model_path):
         env=dict(os.environ, **NO_AUTOLOAD),
     )
     assert stock.returncode == 0, stock.stderr
-    out = _run("generate", "--model", tiny_model_path, *prompt)
+    out = _run(change, "generate", "--model", tiny_model_path, *prompt)
     assert out.returncode == 0, out.stderr
     stock_text = stock.stdout.split("=" * 10)[1]
     assert out.stdout.split("=" * 10)[1] == stock_text
-    _one_warning(out.stderr)
+    _one_warning(out.stderr, change)
     _one_line_refusal(
-        _run("generate", "--model", tiny_model_path, "--suffix-draft"), "--suffix-draft"
+        _run(change, "generate", "--model", tiny_model_path, "--suffix-draft"),
+        "--suffix-draft",
+        change,
     )
     # The Python API: stock generation, and one-line errors for suffix drafting.
-    out = _run("api", tiny_model_path)
+    out = _run(change, "api", tiny_model_path)
     assert out.returncode == 0, out.stderr
     text, drafter, suffix = out.stdout.splitlines()[-3:]
     assert text and text in stock_text
     assert drafter.startswith("IncompatibleMlxLm: mlx-lm-suffix: a SuffixDrafter as")
     assert suffix.startswith("IncompatibleMlxLm: mlx-lm-suffix: draft_model='suffix' needs")
-    assert CHANGED in drafter and CHANGED in suffix
+    assert CHANGES[change] in drafter and CHANGES[change] in suffix
 
 
-def test_incompatible_server_stays_stock(tiny_model_path, tmp_path):
-    server = Server(
-        tiny_model_path,
-        log_dir=tmp_path,
-        name="incompatible",
-        launcher=[*LAUNCHER, "server"],
-        env=NO_AUTOLOAD,
-    )
-    try:
-        status, reply = server.post(
-            "/v1/chat/completions",
-            {"messages": _messages("one two three"), "max_tokens": 8, "temperature": 0},
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_incompatible_server_stays_stock(tiny_model_path, tmp_path, change):
+    """The server's suffix flags refuse in one line. With ``signature`` the
+    stock server serves as without the plugin; a server without
+    ``_next_request`` cannot (stock's own loop calls it), so ``missing``
+    checks the flags only."""
+    if change == "signature":
+        server = Server(
+            tiny_model_path,
+            log_dir=tmp_path,
+            name="incompatible",
+            launcher=[*LAUNCHER, change, "server"],
+            env=NO_AUTOLOAD,
         )
-        assert status == 200 and reply["choices"][0]["message"]["content"]
-        assert "draft_tokens" not in reply["usage"]
-        with pytest.raises(Exception, match="404"):
-            server.get("/v1/suffix/stats")  # stock: Not Found
-        _one_warning(server.log())
-    finally:
-        server.stop()
+        try:
+            status, reply = server.post(
+                "/v1/chat/completions",
+                {"messages": _messages("one two three"), "max_tokens": 8, "temperature": 0},
+            )
+            assert status == 200 and reply["choices"][0]["message"]["content"]
+            assert "draft_tokens" not in reply["usage"]
+            with pytest.raises(Exception, match="404"):
+                server.get("/v1/suffix/stats")  # stock: Not Found
+            _one_warning(server.log(), change)
+        finally:
+            server.stop()
     for args, what in (
         (["--draft", "suffix"], "--draft suffix"),
         (["--suffix-policy", "fixed"], "--suffix-policy"),
     ):
-        _one_line_refusal(_run("server", "--model", tiny_model_path, *args), what)
+        _one_line_refusal(_run(change, "server", "--model", tiny_model_path, *args), what, change)
 
 
 def test_failing_patch_leaves_everything_stock():
