@@ -47,6 +47,13 @@ forward instead of steps 1-4 (the in-process loop of
 :mod:`~mlx_lm_suffix.loop` does the same); otherwise that draft is the
 one step 2 uses.
 
+Prefill comes first: mlx-lm's ``BatchGenerator._next`` runs one generation
+step, then one prefill chunk (or prompt segment) of every prompt being
+processed, so each chunk waits for one step. While the generator has such
+prompts, and in the step after rows join (it emits their first tokens),
+:meth:`~SuffixGenerationBatch.next` is the stock step alone: a request waits
+for no verification but the one running when it arrived.
+
 Invariants kept between steps (the same as stock): ``self.tokens[i]`` equals
 the tokens in row ``i``'s KV cache, which are the prompt plus every emitted
 token; the pending token is not in the cache.
@@ -56,8 +63,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -81,6 +89,8 @@ logger = logging.getLogger(__name__)
 # Roll the common left padding out of the batch cache once every row has at
 # least this much (a copy of the cache, so not every step).
 COMPACT_LEFT_PADDING = 64
+# The verifications' (start, end) times kept to time waiting requests.
+VERIFY_SPANS = 1024
 
 
 @dataclass
@@ -97,6 +107,8 @@ class RowOptions:
         usage: Counters updated in place while the sequence generates.
         use_drafter: ``False``: the sequence does not touch the drafter at
             all (no drafting, nothing cached).
+        arrived: ``time.perf_counter()`` when the request arrived: the time
+            it then waits while verifications run is counted in the stats.
     """
 
     num_draft_tokens: Optional[int] = None
@@ -104,6 +116,7 @@ class RowOptions:
     prompt: Optional[Sequence[int]] = None
     usage: Optional[RequestUsage] = None
     use_drafter: bool = True
+    arrived: Optional[float] = None
 
 
 class SuffixGenerationBatch(GenerationBatch):
@@ -143,6 +156,12 @@ class SuffixGenerationBatch(GenerationBatch):
         # time the host work that followed it (VerifyCost.observe_check).
         self._check: Optional[Tuple[float, float]] = None
         self._last_check: Optional[Tuple[float, float]] = None
+        # How many prompts the generator prefills after this step (set by
+        # SuffixBatchGenerator), and whether rows joined whose first tokens
+        # are pending: then steps are plain (see next).
+        self.prompts_waiting: Callable[[], int] = lambda: 0
+        self._joined = False
+        self._verify_spans: Deque[Tuple[float, float]] = deque(maxlen=VERIFY_SPANS)
         super().__init__(*args, **kwargs)
 
     # ---------------------------------------------------------- row set
@@ -151,6 +170,7 @@ class SuffixGenerationBatch(GenerationBatch):
         super().extend(batch)
         self._settled = False
         self._check = None  # prompts were processed since
+        self._joined = True
         if isinstance(batch, SuffixGenerationBatch):
             self._req.extend(batch._req)
             self._k.extend(batch._k)
@@ -170,6 +190,20 @@ class SuffixGenerationBatch(GenerationBatch):
             self._req.append(req)
             self._k.append(k)
             self._usage.append(opts.usage)
+            if opts.arrived is not None:
+                self._count_wait(opts.arrived)
+
+    def _count_wait(self, arrived: float) -> None:
+        """Count the time since ``arrived`` that verifications ran."""
+        now, waited = time.perf_counter(), 0.0
+        for start, end in reversed(self._verify_spans):
+            if end <= arrived:
+                break
+            waited += min(end, now) - max(start, arrived)
+        stats = self.draft_stats
+        stats.waited_requests += 1
+        stats.verify_wait_s += waited
+        stats.max_verify_wait_s = max(stats.max_verify_wait_s, waited)
 
     def filter(self, keep: List[int]) -> None:
         kept = set(keep)
@@ -294,6 +328,15 @@ class SuffixGenerationBatch(GenerationBatch):
         self._last_check, self._check = self._check, None
         if not self._can_draft():
             return super().next()
+        joined, self._joined = self._joined, False
+        if joined or self.prompts_waiting():
+            # Prompts are prefilled after this step, or rows just joined and
+            # their first tokens are pending: the stock step, so that none of
+            # them waits for a verification (each prompt segment or chunk
+            # waits for one generation step, mlx-lm's BatchGenerator._next).
+            self._last_check = None  # prompts were inserted since
+            self.draft_stats.yield_steps += 1
+            return super().next()
         self.drafter.policy.ensure_cost(self.model)  # adaptive policy: once per drafter
         early = None
         if settled and len(self.uids) == 1:
@@ -388,6 +431,7 @@ class SuffixGenerationBatch(GenerationBatch):
         forward confirmed the first token of each ``checked[i]`` (row ``i``'s
         whole draft, or empty), which is the pending token, so the rest is
         fed; else the whole drafts follow the pending tokens."""
+        tic = time.perf_counter()
         first = 1 if confirmed else 0
         drafts = [c.tokens[first:] for c in checked]
         B, K = len(self.uids), max(len(d) for d in checked) - first
@@ -411,6 +455,7 @@ class SuffixGenerationBatch(GenerationBatch):
         stats.max_verify_batch_size = max(stats.max_verify_batch_size, B)
         stats.uneven_rollbacks += len(set(rejected)) > 1 and not replayed
         stats.finish_trims += sum(len(e) < 1 + a for e, a in zip(emitted, accepted))
+        stats.widths[K + 1] = stats.widths.get(K + 1, 0) + 1
         self._maybe_compact()
 
         prev_logprobs = self._next_logprobs
@@ -451,6 +496,7 @@ class SuffixGenerationBatch(GenerationBatch):
         if len(keep) < B:
             self.filter(keep)
         self._settled = True
+        self._verify_spans.append((tic, time.perf_counter()))
         return responses
 
     def _forward(
@@ -544,7 +590,23 @@ class SuffixBatchGenerator(BatchGenerator):
         batch.default_options = RowOptions(num_draft_tokens=num_draft_tokens)
         batch.max_context = context_limit(model)
         batch.draft_stats = self.draft_stats
+        batch.prompts_waiting = self._prompts_waiting
         self._generation_batch = batch
+
+    def _prompts_waiting(self) -> int:
+        """How many prompts get a prefill chunk after the generation step
+        of this ``_next`` call: as mlx-lm 0.32.2's ``BatchGenerator._next``
+        decides, none when the generation batch is full, else those being
+        processed and the waiting ones it admits."""
+        room = self.completion_batch_size - len(self._generation_batch)
+        if room <= 0:
+            return 0
+        admitted = min(
+            self.prefill_batch_size - len(self._prompt_batch),
+            room,
+            len(self._unprocessed_sequences),
+        )
+        return len(self._currently_processing) + max(admitted, 0)
 
     def insert(self, prompts: List[List[int]], *args: Any, options: Any = None, **kwargs: Any):
         # Stock insert (mlx-lm 0.32.2) passes its arguments on to

@@ -122,8 +122,20 @@ class BatchDraftStats(Counters):
     uneven_rollbacks: int = 0
     compactions: int = 0
     finish_trims: int = 0
+    #: Verifications by their width: the tokens fed per row.
+    widths: Dict[int, int] = field(default_factory=dict)
+    #: Plain steps taken because prompts waited for prefill or rows for
+    #: their first token (no verification runs then).
+    yield_steps: int = 0
+    #: Requests timed from their arrival to the start of their generation,
+    #: the seconds of that time a verification ran, summed, and the most
+    #: for one request.
+    waited_requests: int = 0
+    verify_wait_s: float = 0.0
+    max_verify_wait_s: float = 0.0
 
     def as_dict(self) -> Dict[str, Any]:
         d = super().as_dict()
         d["mean_verify_batch_size"] = _ratio(self.verify_rows, self.verify_steps)
+        d["mean_verify_wait_s"] = _ratio(self.verify_wait_s, self.waited_requests)
         return d

@@ -218,7 +218,7 @@ def test_stop_sequence_inside_accepted_draft(model_and_tokenizer, prompts):
 
 def test_per_row_max_tokens_and_draft_options(model_and_tokenizer, prompts):
     model, tokenizer = model_and_tokenizer
-    max_tokens = [3, 7, 32, 1, 17, 25]
+    max_tokens = [5, 7, 32, 1, 17, 25]
     ref, ref_fin = _stock_run(model, tokenizer, prompts, max_tokens)
     drafter = SuffixDrafter(policy="fixed")
     gen = _suffix_gen(model, tokenizer, drafter)
@@ -356,6 +356,52 @@ def test_rows_join_and_leave_mid_generation(model_and_tokenizer, prompts):
         else:
             assert out[uid] == r
     assert drafter.active_requests == 0
+
+
+def test_arriving_prompt_waits_for_no_verification(model_and_tokenizer, prompts):
+    """A request that arrives while the batch verifies drafts gets its
+    first token without waiting for another verification: while its prompt
+    segments are prefilled, and in the step that emits its first token, the
+    batch takes plain steps; it verifies again afterwards. Its wait behind
+    the verification that was running when it arrived is in the stats."""
+    model, tokenizer = model_and_tokenizer
+    repeats, late = prompts[1::2], prompts[0]
+    max_tokens = 3 * MAX_TOKENS
+    ref, _ = _stock_run(model, tokenizer, repeats + [late], [max_tokens] * 4)
+    drafter = SuffixDrafter(policy="fixed")
+    warm = _suffix_gen(model, tokenizer, drafter)
+    _run(warm, repeats, [max_tokens] * 3)  # the repeats' answers are cached
+    warm.close()
+    gen = _suffix_gen(model, tokenizer, drafter)
+    stats = gen.draft_stats
+    uids = gen.insert(repeats, [max_tokens] * 3)
+    out = {u: [] for u in uids}
+
+    def step():
+        for r in gen.next()[1]:
+            out[r.uid].append(r.token)
+
+    while stats.verify_steps == 0:
+        step()
+    start, end = gen._generation_batch._verify_spans[-1]
+    arrived = (start + end) / 2  # during that verification
+    third = len(late) // 3
+    segments = [late[:third], late[third : 2 * third], late[2 * third :]]
+    (uid,) = gen.insert_segments([segments], [max_tokens], options=[RowOptions(arrived=arrived)])
+    out[uid] = []
+    verified, yielded = stats.verify_steps, stats.yield_steps
+    while not out[uid]:
+        step()
+    assert stats.verify_steps == verified  # none before its first token
+    assert stats.yield_steps - yielded >= len(segments)
+    while gen._generation_batch.uids:
+        step()
+    gen.close()
+    assert stats.verify_steps > verified  # drafting went on after it
+    assert [out[u] for u in uids + [uid]] == [t[:max_tokens] for t in ref]
+    assert stats.waited_requests == 1
+    assert stats.verify_wait_s == pytest.approx(end - arrived)
+    assert sum(stats.widths.values()) == stats.verify_steps
 
 
 def _rows_are_fresh_prefills(model, gen, fresh=None):

@@ -30,6 +30,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +90,7 @@ class RequestInfo:
     num_draft_tokens: int
     scope: Hashable
     usage: RequestUsage
+    arrived: float = field(default_factory=time.perf_counter)
 
 
 class SuffixServing:
@@ -464,6 +466,7 @@ def batch_row_options(segments: Sequence[Sequence[int]], all_tokens: Sequence[in
         scope=info.scope,
         prompt=prompt,
         usage=info.usage,
+        arrived=info.arrived,
     )
 
 
