@@ -287,3 +287,47 @@ def test_real_server_answers_are_compared_with_stock(requests, monkeypatch):
     assert runs["suffix"]["matched_reference"] is False
     monkeypatch.setattr(bench, "http_generate", lambda url, req, *a, **k: fake("stock", req, 8))
     assert bench.run_server_arms(urls, reqs, 8, 2, False)["suffix"]["matched_reference"] is True
+
+
+def test_http_generate_retries_connections_reset_unread():
+    """A server that resets connections before reading them (mlx_lm.server
+    with more arriving at once than its listen backlog): the request is sent
+    again and measured from its first attempt."""
+    import socket
+    import struct
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    resets = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def handle(self):
+            if len(resets) < 2:
+                resets.append(1)
+                self.connection.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                )
+                return  # closed with a reset, nothing read
+            super().handle()
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.end_headers()
+            chunk = {"choices": [{"delta": {"content": "hi"}}]}
+            usage = {"usage": {"completion_tokens": 1}}
+            for c in (chunk, usage):
+                self.wfile.write(f"data: {json.dumps(c)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        req = bench.Request("r", "w", "s", 0, {"messages": []}, "hi")
+        sample, text = bench.http_generate(f"http://127.0.0.1:{server.server_port}", req, 4)
+    finally:
+        server.shutdown()
+    assert len(resets) == 2 and text == "hi" and sample.tokens == 1

@@ -577,6 +577,24 @@ def server_process(
     )
 
 
+#: Connection attempts per request (see :func:`_open`).
+CONNECT_ATTEMPTS = 20
+
+
+def _open(hreq: urllib.request.Request, timeout: float) -> Any:
+    """``urlopen``, again after a connection reset before any response:
+    mlx_lm.server listens with socketserver's backlog of 5, so with more
+    connections arriving at once than it accepts some are reset unread (the
+    server never saw them), stock and suffix alike. The time of the failed
+    attempts counts in the request's."""
+    for attempt in range(1, CONNECT_ATTEMPTS):
+        try:
+            return urllib.request.urlopen(hreq, timeout=timeout)
+        except (ConnectionResetError, ConnectionRefusedError):
+            time.sleep(0.05 * attempt)  # back off, as HTTP clients do
+    return urllib.request.urlopen(hreq, timeout=timeout)
+
+
 def http_generate(url: str, req: Request, max_tokens: int, timeout: float = 600.0) -> Tuple[Sample, str]:
     """Send one request (streaming, greedy) and measure it."""
     body = dict(req.body)
@@ -593,7 +611,7 @@ def http_generate(url: str, req: Request, max_tokens: int, timeout: float = 600.
     ttft = None
     text = []
     usage: Dict[str, Any] = {}
-    with urllib.request.urlopen(hreq, timeout=timeout) as resp:
+    with _open(hreq, timeout) as resp:
         for raw in resp:
             line = raw.decode("utf-8", "replace").strip()
             if not line.startswith("data:"):
