@@ -114,6 +114,17 @@ SIGNATURES: Dict[str, Optional[str]] = {
     "mlx_lm.server:APIHandler._set_completion_headers": "self, status_code",
 }
 
+# What SuffixBatchGenerator._prompts_waiting reads of BatchGenerator, as its
+# _next uses it (mlx-lm 0.32.2).
+_PREFILL_STATE = (
+    "_generation_batch",
+    "completion_batch_size",
+    "prefill_batch_size",
+    "_prompt_batch",
+    "_unprocessed_sequences",
+    "_currently_processing",
+)
+
 # Functions and the names they look up when they run: module globals that
 # the patches replace, methods they wrap.
 LOOKUPS: Dict[str, Tuple[str, ...]] = {
@@ -122,14 +133,7 @@ LOOKUPS: Dict[str, Tuple[str, ...]] = {
     "mlx_lm.generate:main": ("setup_arg_parser", "generate"),
     "mlx_lm.generate:GenerationBatch.next": ("_step",),
     # batch: the generation step comes first, then prefill (_prompts_waiting)
-    "mlx_lm.generate:BatchGenerator._next": (
-        "_generation_batch",
-        "completion_batch_size",
-        "prefill_batch_size",
-        "_prompt_batch",
-        "_unprocessed_sequences",
-        "_currently_processing",
-    ),
+    "mlx_lm.generate:BatchGenerator._next": _PREFILL_STATE,
     "mlx_lm.server:main": ("argparse", "run"),
     "mlx_lm.server:ModelProvider.load": ("_load",),
     "mlx_lm.server:ResponseGenerator._run_generate": ("_generate",),
@@ -166,12 +170,7 @@ ATTRIBUTES: Dict[str, Tuple[str, ...]] = {
         "model",
         "sampler",
         "max_kv_size",
-        "_generation_batch",
-        "completion_batch_size",
-        "prefill_batch_size",
-        "_prompt_batch",
-        "_unprocessed_sequences",
-        "_currently_processing",
+        *_PREFILL_STATE,
     ),
     "mlx_lm.models.cache:BatchKVCache.__init__": ("left_padding", "offset", "_idx"),
     "mlx_lm.models.cache:RotatingKVCache.__init__": ("keep", "offset", "max_size"),
