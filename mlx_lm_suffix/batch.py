@@ -338,6 +338,7 @@ class SuffixGenerationBatch(GenerationBatch):
             self.draft_stats.yield_steps += 1
             return super().next()
         self.drafter.policy.ensure_cost(self.model)  # adaptive policy: once per drafter
+        self.drafter.policy.ensure_width(self.model, len(self.uids))
         early = None
         if settled and len(self.uids) == 1:
             # Its pending token known and nothing computing: draft after that

@@ -439,6 +439,35 @@ def test_the_first_use_probe_feeds_a_few_tokens_where_forwards_are_slow(tiny_mod
     assert fed == [1, 1, 2] and set(cost.points) == {1, 2}
 
 
+def test_a_batch_wider_than_the_curve_times_its_plain_step(tiny_model_path):
+    # Probed at 1 and 2 tokens, a 32-row batch's plain step and verifications
+    # would be priced at the 1-2 slope; the first such batch times a forward
+    # of 32 tokens (after a one-token context) and the curve has that point.
+    model, _ = load(str(tiny_model_path))
+    fed = []
+
+    class Counting:
+        args = model.args
+
+        def __call__(self, tokens, cache):
+            fed.append(tokens.shape[1])
+            return model(tokens, cache=cache)
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+    wide = policy.Policy(cost=VerifyCost({1: 1.0, 2: 1.3}))
+    wide.ensure_width(Counting(), 4)  # within twice the widest point
+    assert fed == [] and set(wide.cost.points) == {1, 2}
+    wide.ensure_width(Counting(), 32)
+    assert fed == [1, 32] and set(wide.cost.points) == {1, 2, 32}
+    wide.ensure_width(Counting(), 48)
+    assert fed == [1, 32]
+    frozen = policy.Policy(cost=VerifyCost({1: 1.0, 2: 1.3}, smoothing=0.0))
+    frozen.ensure_width(Counting(), 32)
+    assert fed == [1, 32] and set(frozen.cost.points) == {1, 2}
+
+
 def test_a_curve_too_dear_to_remeasure_is_explored_now_and_then():
     # A 16-token verification timed in a load spike (26 plain steps, capped
     # at proportional): no draft pays on the learnt curve, so none would be

@@ -14,7 +14,10 @@ import mlx.nn as nn
 #: dearest (a 2-token forward costs at most two). Past 2 the curve grows as
 #: its 1-2 segment does, an estimate that errs cheap where a forward's cost
 #: jumps from one token to a few and then grows slowly; each wider
-#: verification then becomes a point of its own (:meth:`VerifyCost.observe`).
+#: verification then becomes a point of its own (:meth:`VerifyCost.observe`),
+#: and a batch of more rows than twice the widest point first times a forward
+#: of as many tokens (:meth:`VerifyCost.widen`): its plain step, from which the
+#: curve would otherwise grow at the 1-2 slope up to the batch's widths.
 CALIBRATION_SIZES = (1, 2)
 
 
@@ -174,26 +177,43 @@ class VerifyCost:
         least ``repeats`` runs each, more (up to 20) while a size has taken
         less than ``min_seconds`` in all, so the cheap forwards, the
         noisiest, get the most runs and a slow one runs ``repeats`` times."""
-        # Imported here: mlx_lm's import runs our patches, which import this.
-        from mlx_lm.models.cache import make_prompt_cache
+        return cls(_time_forwards(model, sizes, context, repeats, min_seconds))
 
-        from .. import rollback
+    def widen(self, model: nn.Module, n: int) -> None:
+        """Where the widest point is under ``n / 2``, time a forward of ``n``
+        tokens as :meth:`calibrate` does (one run) and make it a point
+        (nothing, with ``smoothing`` 0: the curve is frozen)."""
+        if self.smoothing and n > 2 * self._sizes[-1]:
+            self.points.update(_time_forwards(model, (n,), 1, 1, 0.0))
+            self._sizes = sorted(self.points)
+            self._envelope()
 
-        vocab = getattr(getattr(model, "args", None), "vocab_size", 32)
-        tokens = mx.arange(context + max(sizes)) % vocab
-        points = {}
-        cache = make_prompt_cache(model)
-        model(tokens[None, :context], cache=cache)
-        mx.eval([c.state for c in cache])
-        for n in sizes:
-            best, spent, runs = float("inf"), 0.0, 0
-            while runs < repeats or (spent < min_seconds and runs < 20):
-                saved = rollback.checkpoint(cache)
-                tic = time.perf_counter()
-                out = model(tokens[None, context : context + n], cache=cache)
-                mx.eval(out)
-                took = time.perf_counter() - tic
-                best, spent, runs = min(best, took), spent + took, runs + 1
-                rollback.undo(cache, saved, n, n)
-            points[n] = best
-        return cls(points)
+
+def _time_forwards(
+    model: nn.Module, sizes: Sequence[int], context: int, repeats: int, min_seconds: float
+) -> Dict[int, float]:
+    """The seconds of forwards of ``sizes`` tokens, as :meth:`VerifyCost.calibrate`
+    says."""
+    # Imported here: mlx_lm's import runs our patches, which import this.
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from .. import rollback
+
+    vocab = getattr(getattr(model, "args", None), "vocab_size", 32)
+    tokens = mx.arange(context + max(sizes)) % vocab
+    points = {}
+    cache = make_prompt_cache(model)
+    model(tokens[None, :context], cache=cache)
+    mx.eval([c.state for c in cache])
+    for n in sizes:
+        best, spent, runs = float("inf"), 0.0, 0
+        while runs < repeats or (spent < min_seconds and runs < 20):
+            saved = rollback.checkpoint(cache)
+            tic = time.perf_counter()
+            out = model(tokens[None, context : context + n], cache=cache)
+            mx.eval(out)
+            took = time.perf_counter() - tic
+            best, spent, runs = min(best, took), spent + took, runs + 1
+            rollback.undo(cache, saved, n, n)
+        points[n] = best
+    return points

@@ -79,6 +79,13 @@ class Policy:
         if self.name == "adaptive" and self.cost is None:
             self.cost = VerifyCost.calibrate(model)
 
+    def ensure_width(self, model: Any, rows: int) -> None:
+        """Before a batch of ``rows`` chooses widths: the cost of its plain
+        step measured where the curve would only extrapolate it
+        (:meth:`VerifyCost.widen`)."""
+        if self.cost_aware and rows > 1:
+            self.cost.widen(model, rows)
+
     def probs(self, draft: Any) -> List[float]:
         """A :class:`~mlx_lm_suffix.drafter.Draft`'s estimates as the
         probabilities the rules take (:meth:`Calibration.scale`)."""
