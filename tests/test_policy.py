@@ -418,12 +418,9 @@ def test_calibration_on_the_loaded_model(tiny_model_path):
     assert before < cost(16) <= 4 * cost(4)
 
 
-def test_the_first_use_probe_feeds_a_few_tokens_where_forwards_are_slow(tiny_model_path):
-    # Where each forward takes longer than min_seconds (here: every forward,
-    # min_seconds=0), the probe is the one-token context and one run of each
-    # size: 3 forwards, 4 tokens, about three plain steps' time.
-    model, _ = load(str(tiny_model_path))
-    fed = []
+def _counting_model(path, fed):
+    """The model at ``path``, appending each forward's token count to ``fed``."""
+    model, _ = load(str(path))
 
     class Counting:
         args = model.args
@@ -435,7 +432,16 @@ def test_the_first_use_probe_feeds_a_few_tokens_where_forwards_are_slow(tiny_mod
         def __getattr__(self, name):
             return getattr(model, name)
 
-    cost = VerifyCost.calibrate(Counting(), min_seconds=0.0)
+    return Counting()
+
+
+def test_the_first_use_probe_feeds_a_few_tokens_where_forwards_are_slow(tiny_model_path):
+    # Where each forward takes longer than min_seconds (here: every forward,
+    # min_seconds=0), the probe is the one-token context and one run of each
+    # size: 3 forwards, 4 tokens, about three plain steps' time.
+    fed = []
+    counting = _counting_model(tiny_model_path, fed)
+    cost = VerifyCost.calibrate(counting, min_seconds=0.0)
     assert fed == [1, 1, 2] and set(cost.points) == {1, 2}
 
 
@@ -443,28 +449,17 @@ def test_a_batch_wider_than_the_curve_times_its_plain_step(tiny_model_path):
     # Probed at 1 and 2 tokens, a 32-row batch's plain step and verifications
     # would be priced at the 1-2 slope; the first such batch times a forward
     # of 32 tokens (after a one-token context) and the curve has that point.
-    model, _ = load(str(tiny_model_path))
     fed = []
-
-    class Counting:
-        args = model.args
-
-        def __call__(self, tokens, cache):
-            fed.append(tokens.shape[1])
-            return model(tokens, cache=cache)
-
-        def __getattr__(self, name):
-            return getattr(model, name)
-
+    counting = _counting_model(tiny_model_path, fed)
     wide = policy.Policy(cost=VerifyCost({1: 1.0, 2: 1.3}))
-    wide.ensure_width(Counting(), 4)  # within twice the widest point
+    wide.ensure_width(counting, 4)  # within twice the widest point
     assert fed == [] and set(wide.cost.points) == {1, 2}
-    wide.ensure_width(Counting(), 32)
+    wide.ensure_width(counting, 32)
     assert fed == [1, 32] and set(wide.cost.points) == {1, 2, 32}
-    wide.ensure_width(Counting(), 48)
+    wide.ensure_width(counting, 48)
     assert fed == [1, 32]
     frozen = policy.Policy(cost=VerifyCost({1: 1.0, 2: 1.3}, smoothing=0.0))
-    frozen.ensure_width(Counting(), 32)
+    frozen.ensure_width(counting, 32)
     assert fed == [1, 32] and set(frozen.cost.points) == {1, 2}
 
 
