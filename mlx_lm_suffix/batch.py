@@ -72,7 +72,7 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import TokenBuffer
 
-from . import rollback
+from . import ranks, rollback
 from .drafter import Draft, SuffixDrafter
 from .loop import context_limit
 from .stats import BatchDraftStats, RequestUsage
@@ -299,6 +299,8 @@ class SuffixGenerationBatch(GenerationBatch):
         ``num_draft_tokens``, remaining ``max_tokens`` and the context limit.
         ``ahead``: committed tokens not emitted nor fed to the cache yet (the
         pending token, when drafting after it before its step)."""
+        if ranks.following():
+            return [Draft() for _ in self._req]  # rank 0's come in _cut
         context_room = None
         longest = rollback.batch_length_bound(self.prompt_cache)
         if self.max_context is not None and longest is not None:
@@ -319,7 +321,8 @@ class SuffixGenerationBatch(GenerationBatch):
         yet)."""
         replay = rollback.replays_rows(self.prompt_cache)
         lengths = self.drafter.policy.batch_lengths(drafts, pipelined, check, replay)
-        return [d.truncate(n) for d, n in zip(drafts, lengths)]
+        # Distributed: every rank verifies rank 0's drafts.
+        return ranks.drafts([d.truncate(n) for d, n in zip(drafts, lengths)])
 
     def next(self) -> List[GenerationBatch.Response]:
         if not self.uids:

@@ -36,7 +36,7 @@ from mlx_lm.generate import (
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 
-from . import rollback
+from . import ranks, rollback
 from .drafter import Draft, SuffixDrafter
 from .verification import accepted_length
 
@@ -123,11 +123,14 @@ class _Sequence:
             return Draft()
         room = rollback.room(self.cache, self.ctx_limit) - (not pipelined)
         k = int(min(self.num_draft_tokens, self.limit - self.emitted - 1, room))
-        draft = self.drafter.propose(self.req, k) if k > 0 else Draft()
+        if k <= 0:
+            return Draft()
+        draft = Draft() if ranks.following() else self.drafter.propose(self.req, k)
         if draft:
             dear = rollback.replays(self.cache, len(draft) + 1)
             draft = draft.truncate(self.drafter.policy.length(draft, pipelined, dear))
-        return draft
+        # Distributed: every rank verifies rank 0's draft.
+        return ranks.drafts([draft])[0]
 
     def undo(self, saved: rollback.Checkpoint, n: int, rejected: int, kept: mx.array) -> int:
         """Drop the last ``rejected`` of the ``n`` positions fed since

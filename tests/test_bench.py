@@ -331,3 +331,21 @@ def test_http_generate_retries_connections_reset_unread():
     finally:
         server.shutdown()
     assert len(resets) == 2 and text == "hi" and sample.tokens == 1
+
+
+def test_bench_servers_on_two_ranks(tmp_path, tiny_model_path):
+    out = tmp_path / "out"
+    args = ["bench", "--model", str(tiny_model_path), "--scripted", "--blas", "reference",
+            "--requests", "2", "--max-tokens", "16", "--repetitions", "1", "--arms", "none",
+            "--prompt-chars", "600", "--workloads", "agentic", "--concurrency", "2"]
+    result = CliRunner().invoke(main, args + ["--ranks", "2"])
+    assert result.exit_code != 0 and "--ranks needs --server" in result.output
+    result = CliRunner().invoke(main, args + ["--server", "--ranks", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert "servers: 2 ranks" in result.output
+    report = json.loads((out / "bench.json").read_text())
+    assert report["ranks"] == 2
+    arms = report["workloads"]["agentic"]["arms"]
+    assert set(arms) == {f"{a}@c2" for a in bench.SERVER_ARMS}
+    assert all(m["matched_reference"] for m in arms.values())
+    assert arms["server-suffix-warm@c2"]["server_stats"]["models"]

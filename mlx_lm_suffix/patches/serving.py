@@ -48,6 +48,7 @@ from typing import (
 )
 from urllib.parse import urlsplit
 
+from .. import ranks
 from ..drafter import PRIVATE, SuffixDrafter
 from ..persistence import CacheFile, CacheFileRefused, model_id, vocabulary_size
 from ..stats import BatchDraftStats, RequestUsage
@@ -100,7 +101,9 @@ class SuffixServing:
         self.cli_args = cli_args
         self.scope = getattr(cli_args, "suffix_cache_scope", "global") or "global"
         path = getattr(cli_args, "suffix_cache_file", None)
-        self.cache_file = CacheFile(path) if path else None
+        # Distributed: rank 0 drafts for every rank (mlx_lm_suffix.ranks), so
+        # only it keeps the cache file.
+        self.cache_file = CacheFile(path) if path and not ranks.following() else None
         self.num_draft_tokens = cli_args.num_draft_tokens
         self._lock = threading.RLock()
         self.entries: Dict[Tuple[Any, ...], ModelEntry] = {}
@@ -289,22 +292,41 @@ def state_for(cli_args: Any) -> Optional[SuffixServing]:
         if state is False:
             state = None
             if enabled(cli_args):
-                import mlx.core as mx
-
-                if mx.distributed.init().size() > 1:
-                    logger.warning(
-                        "mlx-lm-suffix: --draft suffix is not supported in distributed "
-                        "mode; serving without drafting."
-                    )
-                else:
-                    state = SuffixServing(cli_args)
+                state = SuffixServing(cli_args)
             setattr(cli_args, _STATE_ATTR, state)
     return state
 
 
+#: Why a distributed suffix server takes no request that stock serves one at
+#: a time (mlx-lm 0.32.2 ResponseGenerator._serve_single raises
+#: NotImplementedError on rank 0 alone when its client disconnects, and the
+#: other ranks wait for it forever).
+SINGLE_PATH_DISTRIBUTED = (
+    "in distributed mode mlx_lm.server serves it one request at a time and "
+    "cannot stop that request on every rank if its client disconnects"
+)
+
+#: Why a distributed suffix server refuses ``--pipeline``: the ranks of
+#: mlx-lm 0.32.2's batched pipeline serving can sample different tokens
+#: (stock's answers then differ from one process's; found on Qwen3.5), and
+#: drafts verified against different tokens would take different forwards.
+PIPELINE_DISTRIBUTED = (
+    "the ranks of mlx-lm's batched pipeline serving do not always sample the "
+    "same tokens, and suffix decoding needs them to; serve with tensor "
+    "parallelism (without --pipeline)"
+)
+
+
 def prepare_run(state: SuffixServing) -> None:
-    """Start-up work in the main thread: check the cache file against the
-    default model. Exits the process when the file is for another model."""
+    """Start-up work in the main thread: refuse what a distributed suffix
+    server does not support, and check the cache file against the default
+    model. Exits the process when either fails."""
+    if ranks.group() is not None and getattr(state.cli_args, "kv_bits", None) is not None:
+        logger.error("mlx-lm-suffix: --kv-bits is not supported with --draft suffix: %s.", SINGLE_PATH_DISTRIBUTED)
+        raise SystemExit(2)
+    if ranks.group() is not None and getattr(state.cli_args, "pipeline", False):
+        logger.error("mlx-lm-suffix: --pipeline is not supported with --draft suffix: %s.", PIPELINE_DISTRIBUTED)
+        raise SystemExit(2)
     model = getattr(state.cli_args, "model", None)
     if state.cache_file is None or not model:
         return
@@ -366,6 +388,8 @@ def request_info(handler: Any) -> Optional[RequestInfo]:
         if draft == SUFFIX:
             raise DraftRefused("draft_model 'suffix' needs a server started with --draft suffix")
         return None
+    if ranks.group() is not None and handler.seed is not None:
+        raise ValueError(f"seed is not supported with --draft suffix: {SINGLE_PATH_DISTRIBUTED}")
     if handler.max_tokens < 1:
         # mlx-lm 0.32.0 validates max_tokens >= 0, and 0 then fails in the
         # batch (HTTP 500); 0.32.1 asks for at least 1 itself, in these words.
@@ -589,10 +613,13 @@ def generate_restarting(generator: Any, stock_generate: Callable[[Any], None]) -
     of the abandoned batch are stopped, and the loop runs again (it keeps the
     loaded model and prompt cache). A loop that fails before taking any
     request (e.g. the model does not load), or once the server is stopping,
-    raises to stock ``_run_generate``, which ends the thread.
+    raises to stock ``_run_generate``, which ends the thread; so does any
+    loop in distributed mode.
     """
     state = state_for(generator.cli_args)
-    if state is None:
+    if state is None or ranks.group() is not None:
+        # Distributed: a loop run again on one rank would not pair its
+        # collectives with the other ranks'; it ends, as stock's does.
         return stock_generate(generator)
     queues = _in_flight(generator)
     while True:

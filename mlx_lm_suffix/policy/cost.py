@@ -197,7 +197,7 @@ def _time_forwards(
     # Imported here: mlx_lm's import runs our patches, which import this.
     from mlx_lm.models.cache import make_prompt_cache
 
-    from .. import rollback
+    from .. import ranks, rollback
 
     vocab = getattr(getattr(model, "args", None), "vocab_size", 32)
     tokens = mx.arange(context + max(sizes)) % vocab
@@ -207,7 +207,8 @@ def _time_forwards(
     mx.eval([c.state for c in cache])
     for n in sizes:
         best, spent, runs = float("inf"), 0.0, 0
-        while runs < repeats or (spent < min_seconds and runs < 20):
+        # Distributed: every rank times as many forwards as rank 0 does.
+        while ranks.flag(runs < repeats or (spent < min_seconds and runs < 20)):
             saved = rollback.checkpoint(cache)
             tic = time.perf_counter()
             out = model(tokens[None, context : context + n], cache=cache)

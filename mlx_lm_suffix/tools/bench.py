@@ -63,7 +63,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..drafter import Draft, SuffixDrafter
 from ..patches.serving import STATS_PATH
-from .launcher import ServerProcess
+from .launcher import ServerProcess, distributed_command
 from .workloads import read_jsonl, read_workload
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
@@ -562,18 +562,22 @@ def server_process(
     blas: str = "auto",
     extra_args: Sequence[str] = (),
     log: Optional[Path] = None,
+    ranks: int = 1,
 ) -> ServerProcess:
     """A ready ``mlx_lm.server`` (``--draft suffix`` when ``suffix``) run by
     :func:`serve_main` with the BLAS policy ``blas`` and, with ``script``,
-    scripted targets; its output is appended to ``log``. Stop it, or use it
-    as a context manager."""
+    scripted targets, on ``ranks`` processes of this machine (more than one:
+    by ``mlx.launch``, the model sharded); its output is appended to ``log``.
+    Stop it, or use it as a context manager."""
     env = blas_env(blas)
     if script is not None:
         env[SCRIPT_ENV] = str(script)
         env["MLX_LM_SUFFIX_SCRIPT_EOS"] = str(eos_id)
     args = ["--draft", "suffix"] if suffix else []
+    command = distributed_command(ranks, server=SERVE_MAIN) if ranks > 1 else SERVE_MAIN
     return ServerProcess(
-        model_path, *args, *extra_args, command=SERVE_MAIN, env=env, log=log, append_log=True
+        model_path, *args, *extra_args, command=command, env=env, log=log, append_log=True,
+        process_group=ranks > 1,
     )
 
 
@@ -747,8 +751,10 @@ def run_bench(
     drafter_kwargs: Optional[Dict[str, Any]] = None,
     progress: Optional[Callable[[int], None]] = None,
     log_dir: Optional[Path] = None,
+    ranks: int = 1,
 ) -> Dict[str, Any]:
-    """Run every arm on every workload; returns the JSON report (see module doc)."""
+    """Run every arm on every workload; returns the JSON report (see module
+    doc); ``ranks``: the servers' processes (see :func:`server_process`)."""
     import mlx_lm
 
     model, tokenizer = mlx_lm.load(str(model_path))
@@ -761,6 +767,7 @@ def run_bench(
         "platform": f"{platform.system()} {platform.machine()}",
         "max_tokens": max_tokens,
         "repetitions": repetitions,
+        "ranks": ranks,
         "drafter": SuffixDrafter(**(drafter_kwargs or {})).config(),
         "workloads": {},
     }
@@ -791,7 +798,7 @@ def run_bench(
             script = write_script(tmp / f"{name}.script.jsonl", requests) if scripted else None
             for c in concurrency:
                 for rep in range(repetitions):
-                    res = _server_rep(model_path, requests, max_tokens, c, scripted, script, eos_id, blas, rep, tick, log_dir, server_flags(drafter_kwargs), server_fixed)
+                    res = _server_rep(model_path, requests, max_tokens, c, scripted, script, eos_id, blas, rep, tick, log_dir, server_flags(drafter_kwargs), server_fixed, ranks)
                     per_rep[rep].update({f"{k}@c{c}": v for k, v in res.items()})
         all_arms = list(per_rep[0])
         for a in all_arms:
@@ -861,6 +868,7 @@ def _server_rep(
     log_dir: Optional[Path],
     suffix_args: Sequence[str] = (),
     fixed: bool = False,
+    ranks: int = 1,
 ) -> Dict[str, Dict[str, Any]]:
     """One repetition of the server arms: a stock server and a fresh suffix
     server (started with ``suffix_args``), and with ``fixed`` a fresh
@@ -877,7 +885,7 @@ def _server_rep(
         for name, suffix, args in servers:
             log = log_dir / f"server-{name}.log" if log_dir else None
             urls[name] = stack.enter_context(
-                server_process(model_path, suffix=suffix, script=script, eos_id=eos_id, blas=blas, log=log, extra_args=args)
+                server_process(model_path, suffix=suffix, script=script, eos_id=eos_id, blas=blas, log=log, extra_args=args, ranks=ranks)
             ).url
             warm_up(urls[name])
         cold = run_server_arms(urls, requests, max_tokens, concurrency, scripted, tick)
@@ -906,7 +914,9 @@ def total_ticks(n_requests: Dict[str, int], arms: Sequence[str], repetitions: in
 def format_table(report: Dict[str, Any]) -> str:
     """The report as a terminal table."""
     head = (
-        f"mode: {report['mode']}  blas: {report['blas']}  model: {report['model']}\n"
+        f"mode: {report['mode']}  blas: {report['blas']}  model: {report['model']}"
+        + (f"  servers: {report['ranks']} ranks" if report.get("ranks", 1) > 1 else "")
+        + "\n"
         f"max_tokens {report['max_tokens']}, {report['repetitions']} paired repetition(s); "
         "speedup = median of per-repetition tok/s ratios to stock (end to end); "
         "decode = the same after the first token (prefill excluded)\n"

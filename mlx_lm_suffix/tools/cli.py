@@ -288,6 +288,14 @@ def parity_command(
 )
 @click.option("--concurrency", default="1,8", show_default=True, callback=_list_of(int), help="Server concurrencies.")
 @click.option(
+    "--ranks",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 8),
+    help="Processes of each server (more than 1: mlx.launch on this machine, "
+    "the model sharded by tensor parallelism).",
+)
+@click.option(
     "--scripted/--no-scripted",
     default=None,
     help="Scripted-target mode (bias logits so greedy output follows the "
@@ -325,6 +333,7 @@ def bench_command(
     server: bool,
     server_fixed: bool,
     concurrency: List[int],
+    ranks: int,
     scripted: Optional[bool],
     blas: str,
     num_draft_tokens: int,
@@ -357,6 +366,8 @@ def bench_command(
             files = write_workloads(out / "workloads", n=n_requests, max_chars=prompt_chars, names=names)
         except ValueError as e:
             raise click.ClickException(str(e)) from e
+    if ranks > 1 and not server:
+        raise click.ClickException("--ranks needs --server (only the servers are distributed)")
     if arms.strip() == "none":
         if not server:
             raise click.ClickException("--arms none needs --server")
@@ -391,6 +402,7 @@ def bench_command(
             },
             progress=bar.update,
             log_dir=out,
+            ranks=ranks,
         )
     click.echo(b.format_table(report))
     _write_json(out / "bench.json", report)

@@ -37,6 +37,20 @@ READY_TIMEOUT = 300.0
 _LOG_TAIL = 4000
 
 
+def distributed_command(ranks: int = 2, backend: str = "ring", server: Sequence[str] = MLX_LM_SERVER) -> list:
+    """``mlx.launch`` running ``server`` (``mlx_lm.server``) on ``ranks`` processes of
+    this machine (loopback; mlx-lm shards the model by tensor parallelism,
+    or by pipeline with ``--pipeline``). Use with ``process_group=True``:
+    mlx.launch passes no signal on, so a stop signals every rank, as Ctrl-C
+    in a terminal does."""
+    launch = str(Path(sys.executable).with_name("mlx.launch"))
+    start = _free_port()
+    return [
+        *(launch, "--backend", backend, "-n", str(ranks), "--hosts", HOST),
+        *("--starting-port", str(start), "--", *server),
+    ]
+
+
 def _free_port() -> int:
     """A TCP port free on 127.0.0.1 now (the server binds it moments later)."""
     with socket.socket() as s:
@@ -78,7 +92,9 @@ class ServerProcess:
     it. With ``wait`` the constructor returns once the server is ready
     (:meth:`wait_ready`, at most ``timeout`` seconds); if it is not, the
     server is stopped and :class:`ServerError` raised. As a context manager
-    it stops the server on exit (:meth:`stop`).
+    it stops the server on exit (:meth:`stop`). ``process_group``: the
+    command runs in a process group of its own, which :meth:`stop` signals
+    (every rank of :func:`distributed_command`).
     """
 
     def __init__(
@@ -91,6 +107,7 @@ class ServerProcess:
         append_log: bool = False,
         wait: bool = True,
         timeout: float = READY_TIMEOUT,
+        process_group: bool = False,
     ):
         args = [str(a) for a in args]
         self.port = _free_port()
@@ -110,7 +127,9 @@ class ServerProcess:
                     stdout=self._log,
                     stderr=subprocess.STDOUT,
                     env={**os.environ, **(env or {})},
+                    start_new_session=process_group,
                 )
+            self._group = process_group
         except BaseException:
             self._log.close()
             raise
@@ -163,6 +182,14 @@ class ServerProcess:
                 self._fail(f"server not ready within {timeout:g} s")
             time.sleep(0.05)  # polling interval, not synchronisation
 
+    def send_signal(self, sig: int) -> None:
+        """Signal the server (with ``process_group``: every process of it)."""
+        if self._group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+        else:
+            self.proc.send_signal(sig)
+
     def _fail(self, what: str) -> None:
         where = f" (log: {self.log_path})" if self.log_path else ""
         tail = self.log()[-_LOG_TAIL:]
@@ -173,11 +200,15 @@ class ServerProcess:
         seconds, then kill it and wait as long again; close the log. Returns
         the exit status (negative: the signal that ended it). Idempotent."""
         if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            self.send_signal(sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self.send_signal(signal.SIGKILL)
                 self.proc.wait(timeout)
+        if self._group:
+            # Ranks left after mlx.launch exited (none, normally).
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         self._log.close()
         return self.proc.returncode
