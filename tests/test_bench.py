@@ -337,10 +337,11 @@ def test_bench_servers_on_two_ranks(tmp_path, tiny_model_path):
     out = tmp_path / "out"
     args = ["bench", "--model", str(tiny_model_path), "--scripted", "--blas", "reference",
             "--requests", "2", "--max-tokens", "16", "--repetitions", "1", "--arms", "none",
-            "--prompt-chars", "600", "--workloads", "agentic", "--concurrency", "2"]
+            "--prompt-chars", "600", "--workloads", "agentic", "--concurrency", "2",
+            "--out", str(out)]
     result = CliRunner().invoke(main, args + ["--ranks", "2"])
     assert result.exit_code != 0 and "--ranks needs --server" in result.output
-    result = CliRunner().invoke(main, args + ["--server", "--ranks", "2", "--out", str(out)])
+    result = CliRunner().invoke(main, args + ["--server", "--ranks", "2"])
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert "servers: 2 ranks" in result.output
     report = json.loads((out / "bench.json").read_text())

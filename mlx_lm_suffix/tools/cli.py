@@ -344,6 +344,8 @@ def bench_command(
 ) -> None:
     """Compare stock mlx-lm, suffix decoding (cold and warm global cache) and
     an oracle drafter side by side; writes bench.json and bench.png."""
+    if ranks > 1 and not server:
+        raise click.ClickException("--ranks needs --server (only the servers are distributed)")
     from . import bench as b
 
     b.maybe_reexec_with_openblas(blas)
@@ -366,8 +368,6 @@ def bench_command(
             files = write_workloads(out / "workloads", n=n_requests, max_chars=prompt_chars, names=names)
         except ValueError as e:
             raise click.ClickException(str(e)) from e
-    if ranks > 1 and not server:
-        raise click.ClickException("--ranks needs --server (only the servers are distributed)")
     if arms.strip() == "none":
         if not server:
             raise click.ClickException("--arms none needs --server")
