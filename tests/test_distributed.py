@@ -1,6 +1,6 @@
 """``mlx.launch --backend ring -n 2 ... -- mlx_lm.server --draft suffix``:
-two ranks on loopback serve one model (tensor parallel, and pipeline for a
-hybrid model), compared with a single-process stock server."""
+two ranks on loopback serve one model (tensor parallel), compared with a
+single-process stock server; what it does not support is refused."""
 
 import concurrent.futures
 import json
@@ -172,6 +172,14 @@ def test_sigterm_stops_every_rank_and_rank_0_saves(tiny_model_path, tensor, cach
     # Every response served above (rank 0 keeps the cache and its file).
     saved = read_cache_file(cache_file, model_id(str(tiny_model_path), load_tokenizer(tiny_model_path)))
     assert len(saved) >= 8 + 5
+
+
+def test_ctrl_c_stops_every_rank(tensor_fixed):
+    ranks = _ranks(tensor_fixed)
+    assert len(ranks) == 2
+    tensor_fixed.send_signal(signal.SIGINT)  # Ctrl-C in the terminal
+    gone, alive = psutil.wait_procs(ranks, timeout=60)
+    assert not alive, [p.cmdline() for p in alive]
 
 
 def test_pipeline_is_refused(tiny_family_path, logs):

@@ -181,6 +181,12 @@ class ServerProcess:
             if time.monotonic() > deadline:
                 self._fail(f"server not ready within {timeout:g} s")
             time.sleep(0.05)  # polling interval, not synchronisation
+        if self._group:
+            # mlx.launch (mlx 0.32) polls its ranks' pipes without blocking,
+            # about 0.6 of a core per rank here; its ranks started at the
+            # default priority, it yields the CPU to them now.
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, self.proc.pid, 19)
 
     def send_signal(self, sig: int) -> None:
         """Signal the server (with ``process_group``: every process of it)."""
