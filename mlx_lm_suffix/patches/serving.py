@@ -321,10 +321,11 @@ def prepare_run(state: SuffixServing) -> None:
     """Start-up work in the main thread: refuse what a distributed suffix
     server does not support, and check the cache file against the default
     model. Exits the process when either fails."""
-    if ranks.group() is not None and getattr(state.cli_args, "kv_bits", None) is not None:
+    distributed = ranks.group() is not None
+    if distributed and getattr(state.cli_args, "kv_bits", None) is not None:
         logger.error("mlx-lm-suffix: --kv-bits is not supported with --draft suffix: %s.", SINGLE_PATH_DISTRIBUTED)
         raise SystemExit(2)
-    if ranks.group() is not None and getattr(state.cli_args, "pipeline", False):
+    if distributed and getattr(state.cli_args, "pipeline", False):
         logger.error("mlx-lm-suffix: --pipeline is not supported with --draft suffix: %s.", PIPELINE_DISTRIBUTED)
         raise SystemExit(2)
     model = getattr(state.cli_args, "model", None)

@@ -182,9 +182,8 @@ class ServerProcess:
                 self._fail(f"server not ready within {timeout:g} s")
             time.sleep(0.05)  # polling interval, not synchronisation
         if self._group:
-            # mlx.launch (mlx 0.32) polls its ranks' pipes without blocking,
-            # about 0.6 of a core per rank here; its ranks started at the
-            # default priority, it yields the CPU to them now.
+            # mlx.launch (mlx 0.32) polls its ranks' pipes without blocking;
+            # the ranks started at the default priority, it yields to them now.
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, self.proc.pid, 19)
 
@@ -213,8 +212,6 @@ class ServerProcess:
                 self.send_signal(signal.SIGKILL)
                 self.proc.wait(timeout)
         if self._group:
-            # Ranks left after mlx.launch exited (none, normally).
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.send_signal(signal.SIGKILL)  # ranks left after mlx.launch (none, normally)
         self._log.close()
         return self.proc.returncode
