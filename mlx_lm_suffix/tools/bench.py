@@ -54,6 +54,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -585,6 +586,12 @@ def server_process(
 CONNECT_ATTEMPTS = 20
 
 
+#: How a connection reset unread shows: while the response is awaited, or
+#: while the request is still being sent (a broken pipe, which urlopen wraps
+#: in a URLError).
+_UNREAD = (ConnectionResetError, ConnectionRefusedError, BrokenPipeError)
+
+
 def _open(hreq: urllib.request.Request, timeout: float) -> Any:
     """``urlopen``, again after a connection reset before any response:
     mlx_lm.server listens with socketserver's backlog of 5, so with more
@@ -594,8 +601,12 @@ def _open(hreq: urllib.request.Request, timeout: float) -> Any:
     for attempt in range(1, CONNECT_ATTEMPTS):
         try:
             return urllib.request.urlopen(hreq, timeout=timeout)
-        except (ConnectionResetError, ConnectionRefusedError):
-            time.sleep(0.05 * attempt)  # back off, as HTTP clients do
+        except _UNREAD:
+            pass
+        except urllib.error.URLError as e:
+            if not isinstance(e.reason, _UNREAD):
+                raise
+        time.sleep(0.05 * attempt)  # back off, as HTTP clients do
     return urllib.request.urlopen(hreq, timeout=timeout)
 
 
