@@ -1,11 +1,14 @@
-"""Drafting from suffix trees: the global cache of earlier responses and the
-lifecycle of each request (start, draft, commit, finish).
+"""Drafting from suffix trees: the lifecycle of each request (start,
+commit, propose, finish) and the drafter's counters.
 
-One :class:`SuffixDrafter` owns arctic-inference ``SuffixDecodingCache``
-objects (one per isolation scope; a single one unless a server partitions the
-cache per user). Each active request also drafts from its own prompt and
-output so far, and extends drafts with its prompt where its output copies
-the prompt (:mod:`~mlx_lm_suffix.copying`).
+One :class:`SuffixDrafter` owns the suffix trees (:mod:`~mlx_lm_suffix.
+trees`: one arctic-inference cache per isolation scope, a single one unless a
+server partitions the cache per user, and the earlier responses it keeps).
+Each active request drafts from its own prompt and output so far and from
+the global tree of earlier responses, and extends drafts with its prompt
+where its output copies the prompt (:mod:`~mlx_lm_suffix.copying`). How much
+of a draft is verified is the policy's (:class:`~mlx_lm_suffix.policy.rules.
+Policy`), not the drafter's.
 """
 
 from __future__ import annotations
@@ -15,13 +18,11 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
-from arctic_inference.suffix_decoding import SuffixDecodingCache
-
 from .copying import PromptCopy
 from .policy import LONG_MATCH, VerifyCost
 from .policy.rules import Policy
-from .responses import ResponseStore
 from .stats import DraftStats
+from .trees import SuffixTrees
 
 DEFAULT_NUM_DRAFT_TOKENS = 64
 DEFAULT_MAX_TREE_DEPTH = 96
@@ -79,8 +80,9 @@ class Draft:
 @dataclass
 class _Request:
     scope: Hashable
-    context: List[int]
+    context: List[int]  # the last tokens, to match in the trees
     copy: PromptCopy
+    response: List[int]  # what the global tree gets: the prompt's tail, then the output
 
 
 def _positive_int(name: str, value: Any, allow_zero: bool = False) -> int:
@@ -169,11 +171,10 @@ class SuffixDrafter:
         self.stats = DraftStats()
         self._lock = threading.RLock()
         self._ids = itertools.count()
-        self._caches: Dict[Hashable, SuffixDecodingCache] = {}
+        self._trees = SuffixTrees(
+            self.max_tree_depth, self.max_cached_requests, self.max_cached_tokens, PRIVATE
+        )
         self._active: Dict[int, _Request] = {}
-        self._kept = ResponseStore(self.max_cached_requests, self.max_cached_tokens)
-        # Responses of active requests, kept to move them into _kept.
-        self._responses: Dict[int, List[int]] = {}
 
     # ------------------------------------------------------------------ state
     @property
@@ -182,11 +183,11 @@ class SuffixDrafter:
 
     @property
     def cached_requests(self) -> int:
-        return len(self._kept)
+        return len(self._trees.kept)
 
     @property
     def cached_tokens(self) -> int:
-        return self._kept.tokens
+        return self._trees.kept.tokens
 
     def config(self) -> Dict[str, Any]:
         """The drafter's knobs as a dict (JSON-serialisable)."""
@@ -214,27 +215,9 @@ class SuffixDrafter:
                 active_requests=self.active_requests,
                 cached_requests=self.cached_requests,
                 cached_tokens=self.cached_tokens,
-                tree_responses=self._tree_responses(),
+                tree_responses=self._trees.tree_responses(),
             )
             return d
-
-    def _tree_responses(self) -> int:
-        # Responses the global suffix trees themselves hold (those of active
-        # requests included), counted apart from the bookkeeping eviction
-        # reads. Relies on SuffixDecodingCache._global_tree (arctic-inference
-        # 0.3.0); SuffixTree.num_seqs() is O(1), unlike estimate_memory(),
-        # which walks the tree (too slow to run under the lock per poll).
-        return sum(c._global_tree.num_seqs() for c in self._caches.values())
-
-    def _cache(self, scope: Hashable) -> SuffixDecodingCache:
-        cache = self._caches.get(scope)
-        if cache is None:
-            # 0: no global tree, so nothing of a request reaches another one.
-            shared = self.max_cached_requests > 0 and self.max_cached_tokens > 0
-            n = -1 if shared and scope is not PRIVATE else 0
-            cache = SuffixDecodingCache(self.max_tree_depth, max_cached_requests=n)
-            self._caches[scope] = cache
-        return cache
 
     # -------------------------------------------------------------- lifecycle
     def start(self, prompt: Sequence[int], scope: Hashable = None) -> int:
@@ -249,13 +232,14 @@ class SuffixDrafter:
         copy = PromptCopy(prompt)
         with self._lock:
             req_id = next(self._ids)
-            cache = self._cache(scope)
+            cache = self._trees.open(scope)
             # The request's tree gets the whole prompt; the global one its tail.
             cache.start_request(req_id, prompt[:split])
             if split < len(prompt):
                 cache.add_active_response(req_id, prompt[split:])
-            self._active[req_id] = _Request(scope, prompt[-self.max_tree_depth :], copy)
-            self._responses[req_id] = prompt[split:]
+            self._active[req_id] = _Request(
+                scope, prompt[-self.max_tree_depth :], copy, prompt[split:]
+            )
             self.stats.requests += 1
             return req_id
 
@@ -266,8 +250,8 @@ class SuffixDrafter:
         tokens = [int(t) for t in tokens]
         with self._lock:
             req = self._active[req_id]
-            self._caches[req.scope].add_active_response(req_id, tokens)
-            self._responses[req_id].extend(tokens)
+            self._trees[req.scope].add_active_response(req_id, tokens)
+            req.response.extend(tokens)
             req.context.extend(tokens)
             req.copy.feed(tokens)
             self.stats.tokens += len(tokens)
@@ -315,7 +299,7 @@ class SuffixDrafter:
         preferred, within the same limits; where the trees' draft goes on
         from it (the tree depth bounds a match and its draft together), the
         rest is kept, estimated no higher."""
-        cache, context = self._caches[req.scope], req.context[-self.max_tree_depth :]
+        cache, context = self._trees[req.scope], req.context[-self.max_tree_depth :]
         knobs = dict(min_token_prob=self.min_token_prob)
         d = cache.speculate(
             req_id,
@@ -353,8 +337,8 @@ class SuffixDrafter:
             req = self._active.pop(req_id, None)
             if req is None:
                 return
-            self._caches[req.scope].stop_request(req_id)
-            self._keep_response(req_id, req.scope, self._responses.pop(req_id))
+            self._trees[req.scope].stop_request(req_id)
+            self._trees.keep(req_id, req.scope, req.response)
 
     def record(
         self,
@@ -367,40 +351,16 @@ class SuffixDrafter:
         the first ``drafted`` tokens of ``draft`` (whose estimates calibrate
         the policy). (Committed tokens are counted by :meth:`commit`.)"""
         with self._lock:
-            self.stats.steps += steps
-            self.stats.drafted += drafted
-            self.stats.accepted += accepted
-            if drafted:
-                probs = draft.probs[:drafted] if draft is not None else []
-                self.stats.draft_steps += 1
-                self.stats.expected += sum(probs)
-                self.stats.lengths[drafted] = self.stats.lengths.get(drafted, 0) + 1
-                if draft is not None:
-                    self.policy.record(draft, drafted, accepted)
+            probs = draft.probs[:drafted] if draft is not None else []
+            self.stats.count(drafted, accepted, steps, probs)
+            if drafted and draft is not None:
+                self.policy.record(draft, drafted, accepted)
 
     def record_replay(self, tokens: int) -> None:
         """Count a replay: the cache restored and ``tokens`` fed again."""
         with self._lock:
             self.stats.replays += 1
             self.stats.replayed_tokens += tokens
-
-    def _keep_response(self, req_id: int, scope: Hashable, response: List[int]) -> None:
-        if req_id in self._caches[scope].cached_requests:
-            for s, old in self._kept.add(req_id, scope, response):
-                self._caches[s].evict_cached_response(old)
-                self._drop_if_empty(s)
-        self._drop_if_empty(scope)
-
-    def _drop_if_empty(self, scope: Hashable) -> None:
-        # A user scope with nothing active or cached keeps no tree around.
-        cache = self._caches.get(scope)
-        if (
-            scope is not None
-            and cache is not None
-            and not cache.active_requests
-            and not cache.cached_requests
-        ):
-            del self._caches[scope]
 
     # ------------------------------------------------------------ persistence
     def add_responses(self, responses: Iterable[Tuple[Hashable, Sequence[int]]]) -> int:
@@ -409,13 +369,7 @@ class SuffixDrafter:
         n = 0
         with self._lock:
             for scope, tokens in responses:
-                tokens = [int(t) for t in tokens]
-                req_id = next(self._ids)
-                cache = self._cache(scope)
-                cache.start_request(req_id, [])
-                cache.add_active_response(req_id, tokens)
-                cache.stop_request(req_id)
-                self._keep_response(req_id, scope, tokens)
+                self._trees.add(next(self._ids), scope, [int(t) for t in tokens])
                 n += 1
         return n
 
@@ -424,4 +378,4 @@ class SuffixDrafter:
         drafter's own (not copied, so this is quick under the lock): read
         them, never change them."""
         with self._lock:
-            return self._kept.responses()
+            return self._trees.kept.responses()

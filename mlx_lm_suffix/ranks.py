@@ -22,11 +22,10 @@ returns its input and nothing is communicated.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from dataclasses import replace
+from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
-
-from .drafter import Draft
 
 _group: Optional[mx.distributed.Group] = None
 _checked = False
@@ -61,9 +60,10 @@ def flag(value: bool) -> bool:
     return bool(_from_leader([int(value)], 1, g)[0])
 
 
-def drafts(rows: Sequence[Draft]) -> List[Draft]:
-    """Rank 0's drafts, one per row (the rows are the same on every rank).
-    Other ranks get their tokens, with estimates of 0 (they decide nothing)."""
+def drafts(rows: Sequence[Any]) -> List[Any]:
+    """Rank 0's drafts (:class:`~mlx_lm_suffix.drafter.Draft`), one per row
+    (the rows are the same on every rank). Other ranks get their tokens, in
+    their own (empty) drafts with estimates of 0: they decide nothing."""
     g = group()
     if g is None or not rows:
         return list(rows)
@@ -73,7 +73,7 @@ def drafts(rows: Sequence[Draft]) -> List[Draft]:
     if g.rank() == 0:
         return list(rows)
     out, at = [], 0
-    for n in lengths:
-        out.append(Draft(tokens[at : at + n], [0.0] * n))
+    for d, n in zip(rows, lengths):
+        out.append(replace(d, tokens=tokens[at : at + n], probs=[0.0] * n))
         at += n
     return out

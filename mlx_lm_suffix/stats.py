@@ -7,7 +7,7 @@ A *step* is one forward of the target model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, TypeVar
+from typing import Any, Dict, Sequence, TypeVar
 
 C = TypeVar("C", bound="Counters")
 
@@ -86,6 +86,17 @@ class DraftStats(Counters):
     expected: float = 0.0
     #: Verified draft length -> number of steps.
     lengths: Dict[int, int] = field(default_factory=dict)
+
+    def count(self, drafted: int, accepted: int, steps: int, probs: Sequence[float]) -> None:
+        """``steps`` forwards that verified ``drafted`` draft tokens (their
+        estimates ``probs``) and accepted ``accepted`` of them."""
+        self.steps += steps
+        self.drafted += drafted
+        self.accepted += accepted
+        if drafted:
+            self.draft_steps += 1
+            self.expected += sum(probs)
+            self.lengths[drafted] = self.lengths.get(drafted, 0) + 1
 
     def as_dict(self) -> Dict[str, Any]:
         d = super().as_dict()

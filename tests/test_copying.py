@@ -70,7 +70,7 @@ def test_drafts_copy_past_the_trees_limit():
     d = SuffixDrafter(num_draft_tokens=64, max_cached_requests=0)
     q = d.start([1, 2] + FILE + [3, 4])
     d.commit(q, FILE[:40] + [9, 9, 9] + FILE[40:42])  # an edit, then two copied tokens
-    tree = d._caches[None].speculate(q, d._active[q].context, 64, 2.0, 0.0, 0.1)
+    tree = d._trees[None].speculate(q, d._active[q].context, 64, 2.0, 0.0, 0.1)
     draft = d.propose(q)
     # The trees match two tokens and draft at most four; the copy goes on,
     # with the trees' estimates as far as they draft, then their last.
@@ -107,7 +107,7 @@ def test_the_trees_draft_wins_a_disagreement_and_copies_alone_get_an_estimate():
     d = SuffixDrafter(max_cached_requests=0)
     q = d.start(prompt)
     d.commit(q, FILE[:100] + [5, 7, 8])
-    tree = d._caches[None].speculate(q, d._active[q].context, 64, 2.0, 0.0, 0.1)
+    tree = d._trees[None].speculate(q, d._active[q].context, 64, 2.0, 0.0, 0.1)
     draft = d.propose(q)
     assert len(tree.token_ids) == 0
     assert draft.tokens == prompt[102:166] and draft.source == "copy"

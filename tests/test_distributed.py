@@ -60,6 +60,23 @@ def _ranks(server):
             if "mlx_lm.server" in " ".join(p.cmdline())]
 
 
+def _still_running(procs, timeout=60):
+    """Those of ``procs`` still running after up to ``timeout`` seconds. A
+    zombie has exited: its parent (mlx.launch, or init once the launcher is
+    gone) has not reaped it yet, which psutil.wait_procs counts as alive."""
+    def running(p):
+        try:
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    alive, deadline = list(procs), time.monotonic() + timeout
+    while alive and time.monotonic() < deadline:
+        _, alive = psutil.wait_procs(alive, timeout=1)
+        alive = [p for p in alive if running(p)]
+    return alive
+
+
 def _serve(model, *args, log, ranks=0):
     """A server of ``model``: one process, or ``ranks`` under mlx.launch."""
     if not ranks:
@@ -162,7 +179,7 @@ def test_sigterm_stops_every_rank_and_rank_0_saves(tiny_model_path, tensor, cach
     ranks = _ranks(tensor)
     assert len(ranks) == 2
     tensor.send_signal(signal.SIGTERM)
-    gone, alive = psutil.wait_procs(ranks, timeout=60)
+    alive = _still_running(ranks)
     assert not alive, [p.cmdline() for p in alive]
     assert tensor.proc.wait(60) is not None
     from mlx_lm.utils import load_tokenizer
@@ -178,7 +195,7 @@ def test_ctrl_c_stops_every_rank(tensor_fixed):
     ranks = _ranks(tensor_fixed)
     assert len(ranks) == 2
     tensor_fixed.send_signal(signal.SIGINT)  # Ctrl-C in the terminal
-    gone, alive = psutil.wait_procs(ranks, timeout=60)
+    alive = _still_running(ranks)
     assert not alive, [p.cmdline() for p in alive]
 
 

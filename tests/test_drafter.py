@@ -93,11 +93,11 @@ def test_scopes_are_isolated():
     # Bob's finished response stays cached, so his scope stays; a scope with
     # nothing active or cached keeps no tree (here: nothing is ever cached).
     d.finish(bob)
-    assert "bob" in d._caches
+    assert "bob" in d._trees
     nocache = SuffixDrafter(max_cached_requests=0)
     r = nocache.start([1], scope="carol")
     nocache.finish(r)
-    assert nocache._caches == {}
+    assert nocache._trees.scopes() == []
 
 
 def test_bounds_evict_oldest_first():
@@ -121,7 +121,7 @@ def _cached_by_scope(d):
     held = {}
     for scope, tokens in d.cached_responses():
         held[scope] = held.get(scope, 0) + len(tokens)
-    trees = d._caches.values()
+    trees = [d._trees[s] for s in d._trees.scopes()]
     assert sum(len(c.cached_requests - c.active_requests) for c in trees) == d.cached_requests
     assert sum(held.values()) == d.cached_tokens
     # The trees' own count (active responses are in the global trees too).
@@ -218,7 +218,7 @@ def test_no_drafting_across_requests(knobs, scope):
     in_flight, finished, own_output, own_prompt = repeat_drafts(d, scope)
     assert in_flight == finished == []
     assert own_output == answer[3:6] and own_prompt == prompt[6:9]
-    assert d.cached_requests == d.cached_tokens == 0 and PRIVATE not in d._caches
+    assert d.cached_requests == d.cached_tokens == 0 and PRIVATE not in d._trees
 
 
 def test_invalid_knobs_raise_clear_errors():

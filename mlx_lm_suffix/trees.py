@@ -1,0 +1,140 @@
+"""The drafter's suffix trees, one arctic-inference cache per scope, and
+which finished responses their global trees keep: bounded in count and
+tokens, evicted fairly across scopes."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Dict, Hashable, List, Tuple
+
+from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+
+class ResponseStore:
+    """The finished responses kept in the drafter's global trees, oldest
+    first, at most ``max_requests`` of them and ``max_tokens`` tokens in all.
+
+    Past either bound, the scope holding the most (tokens for the token
+    bound, responses for the count bound; ties: the one whose oldest
+    response is oldest) loses its oldest response, so one scope's traffic
+    evicts another's only while that one holds more. A response longer than
+    ``max_tokens`` is not kept (it would evict every scope's)."""
+
+    def __init__(self, max_requests: int, max_tokens: int):
+        self.max_requests = max_requests
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        # req_id -> (scope, tokens), oldest first (req ids grow with time);
+        # per scope, its own (req_id -> token count) and total.
+        self._all: "OrderedDict[int, Tuple[Hashable, List[int]]]" = OrderedDict()
+        self._own: "Dict[Hashable, OrderedDict[int, int]]" = {}
+        self._held: Dict[Hashable, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def responses(self) -> List[Tuple[Hashable, List[int]]]:
+        """The kept ``(scope, tokens)`` pairs, oldest first (the lists are the
+        store's own: read them, do not change them)."""
+        return list(self._all.values())
+
+    def add(self, req_id: int, scope: Hashable, tokens: List[int]) -> List[Tuple[Hashable, int]]:
+        """Keep a response; returns the ``(scope, req_id)`` of the responses
+        to drop from the trees (``req_id`` itself where it is not kept)."""
+        if len(tokens) > self.max_tokens:
+            return [(scope, req_id)]
+        self._all[req_id] = (scope, tokens)
+        self._own.setdefault(scope, OrderedDict())[req_id] = len(tokens)
+        self._held[scope] = self._held.get(scope, 0) + len(tokens)
+        self.tokens += len(tokens)
+        evicted = []
+        while self._all:
+            if self.tokens > self.max_tokens:
+                held = self._held
+            elif len(self._all) > self.max_requests:
+                held = {s: len(own) for s, own in self._own.items()}
+            else:
+                break
+            scope = max(held, key=lambda s: (held[s], -next(iter(self._own[s]))))
+            own = self._own[scope]
+            old, n = own.popitem(last=False)
+            del self._all[old]
+            self.tokens -= n
+            self._held[scope] -= n
+            if not own:
+                del self._own[scope], self._held[scope]
+            evicted.append((scope, old))
+        return evicted
+
+
+class SuffixTrees:
+    """The arctic-inference caches of one drafter, one per scope (each holds
+    its active requests' trees and a global tree of responses), and the
+    finished responses their global trees keep (:class:`ResponseStore`).
+
+    A scope's cache is made on first use; one with neither active requests
+    nor cached responses is dropped again (except the default scope
+    ``None``). The caller serialises access (the drafter's lock)."""
+
+    def __init__(self, depth: int, max_requests: int, max_tokens: int, private: Hashable):
+        self.depth = depth
+        # Either bound 0: no global tree, so nothing of a request reaches another one.
+        self.shared = max_requests > 0 and max_tokens > 0
+        self.private = private
+        self.kept = ResponseStore(max_requests, max_tokens)
+        self._caches: Dict[Hashable, SuffixDecodingCache] = {}
+
+    def __contains__(self, scope: Hashable) -> bool:
+        return scope in self._caches
+
+    def __getitem__(self, scope: Hashable) -> SuffixDecodingCache:
+        return self._caches[scope]
+
+    def scopes(self) -> List[Hashable]:
+        """The scopes that have a cache now."""
+        return list(self._caches)
+
+    def open(self, scope: Hashable) -> SuffixDecodingCache:
+        """The cache of ``scope``, made if it has none."""
+        cache = self._caches.get(scope)
+        if cache is None:
+            n = -1 if self.shared and scope is not self.private else 0
+            cache = SuffixDecodingCache(self.depth, max_cached_requests=n)
+            self._caches[scope] = cache
+        return cache
+
+    def keep(self, req_id: int, scope: Hashable, response: List[int]) -> None:
+        """Request ``req_id`` of ``scope`` stopped: keep its ``response`` in
+        the global tree as the store's bounds allow, evicting others."""
+        if req_id in self._caches[scope].cached_requests:
+            for s, old in self.kept.add(req_id, scope, response):
+                self._caches[s].evict_cached_response(old)
+                self._drop_if_empty(s)
+        self._drop_if_empty(scope)
+
+    def add(self, req_id: int, scope: Hashable, tokens: List[int]) -> None:
+        """A finished response (e.g. from a file) into ``scope``'s global tree."""
+        cache = self.open(scope)
+        cache.start_request(req_id, [])
+        cache.add_active_response(req_id, tokens)
+        cache.stop_request(req_id)
+        self.keep(req_id, scope, tokens)
+
+    def tree_responses(self) -> int:
+        """Responses the global trees themselves hold (active requests'
+        included), counted apart from the store's bookkeeping. Relies on
+        ``SuffixDecodingCache._global_tree`` (arctic-inference 0.3.0):
+        ``num_seqs()`` is O(1), unlike ``estimate_memory()``, which walks
+        the tree."""
+        return sum(c._global_tree.num_seqs() for c in self._caches.values())
+
+    def _drop_if_empty(self, scope: Hashable) -> None:
+        # A user scope with nothing active or cached keeps no tree around.
+        cache = self._caches.get(scope)
+        if (
+            scope is not None
+            and cache is not None
+            and not cache.active_requests
+            and not cache.cached_requests
+        ):
+            del self._caches[scope]
