@@ -8,12 +8,12 @@ same requests again (warm). Used to decide which batch rules pay; results in
 docs/choosing-defaults.md. Run from a checkout (OpenBLAS on Linux):
 
     python benchmarks/batch_rules_ab.py [--family qwen3] [--workloads agentic,open-ended]
-        [--concurrency 1,8] [--variants current,no-margin,no-check,no-settled]
+        [--concurrency 1,8] [--variants current,no-margin]
 
 Variants: ``current``; ``no-margin`` (``BATCH_MARGIN`` 1: a batch verifies
-whatever beats plain steps); ``no-check`` (``check_pays`` always true: every
-draft worth verifying is checked); ``no-settled`` (``unpipelined_length``
-always 0: a batch of one row never verifies at once after a settled step).
+whatever beats plain steps). Rules this compared and removed (the first-token
+check's cost, a one-row batch's own settled rule) are in the git history of
+this file and in docs/choosing-defaults.md.
 """
 
 from __future__ import annotations
@@ -37,10 +37,6 @@ def patch(variant: str) -> None:
 
     if variant == "no-margin":
         rules.BATCH_MARGIN = 1.0
-    elif variant == "no-check":
-        rules.check_pays = lambda probs, lengths, cost, replay=False: any(lengths)
-    elif variant == "no-settled":
-        rules.unpipelined_length = lambda probs, cost, replay=False: 0
     elif variant != "current":
         raise SystemExit(f"unknown variant {variant!r}")
 
@@ -63,7 +59,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--concurrency", default="1,8")
     p.add_argument("--repetitions", type=int, default=1)
-    p.add_argument("--variants", default="current,no-margin,no-check,no-settled")
+    p.add_argument("--variants", default="current,no-margin")
     args = p.parse_args()
 
     from mlx_lm.utils import load_tokenizer

@@ -15,9 +15,7 @@ One call of :meth:`~SuffixGenerationBatch.next`, for a batch of ``B`` rows:
    ``d_i`` after it, capped by the row's remaining ``max_tokens``, the context
    limit and its own ``num_draft_tokens``; with the drafter's adaptive policy,
    one width for the whole batch is chosen from the drafts' probabilities and
-   the measured verification cost. No draft, or (adaptive) drafts whose
-   first tokens are too unlikely to pay for what waiting for the forward
-   costs (:func:`~mlx_lm_suffix.policy.check_pays`): done, the step stayed
+   the measured verification cost. No draft: done, the step stayed
    pipelined.
 3. Otherwise wait for the ``s_i``: a draft whose first token differs from
    ``s_i`` is dropped at no further cost. If any row's draft survives, every
@@ -38,14 +36,12 @@ One call of :meth:`~SuffixGenerationBatch.next`, for a batch of ``B`` rows:
    finishing token, and its returned KV cache and ``all_tokens`` are trimmed
    to the tokens it emitted.
 
-With the adaptive policy, a batch of one row whose last step waited for its
-forward (a verification, or a first-token check: the pending token is known
-and nothing is computing) first drafts after ``p`` and, where the draft's
-first token is likely enough
-(:func:`~mlx_lm_suffix.policy.unpipelined_length`), feeds ``[p] + d`` in one
-forward instead of steps 1-4 (the in-process loop of
-:mod:`~mlx_lm_suffix.loop` does the same); otherwise that draft is the
-one step 2 uses.
+A batch of one row is one sequence to the policy (``Policy.length``, as
+in the in-process loop of :mod:`~mlx_lm_suffix.loop`): after a step that
+waited for its forward (a verification, or a first-token check: the pending
+token ``p`` is known and nothing is computing) it drafts after ``p`` and,
+where the policy says so, feeds ``[p] + d`` in one forward instead of steps
+1-4; otherwise that draft is the one step 2 uses.
 
 Prefill comes first: mlx-lm's ``BatchGenerator._next`` runs one generation
 step, then one prefill chunk (or prompt segment) of every prompt being
@@ -152,10 +148,6 @@ class SuffixGenerationBatch(GenerationBatch):
         self._settled = False
         # The pending tokens are committed to the drafter already.
         self._pending_committed = False
-        # A check that verified nothing: (its wait, when the wait ended), to
-        # time the host work that followed it (VerifyCost.observe_check).
-        self._check: Optional[Tuple[float, float]] = None
-        self._last_check: Optional[Tuple[float, float]] = None
         # How many prompts the generator prefills after this step (set by
         # SuffixBatchGenerator), and whether rows joined whose first tokens
         # are pending: then steps are plain (see next).
@@ -169,7 +161,6 @@ class SuffixGenerationBatch(GenerationBatch):
         n0 = len(self.uids)
         super().extend(batch)
         self._settled = False
-        self._check = None  # prompts were processed since
         self._joined = True
         if isinstance(batch, SuffixGenerationBatch):
             self._req.extend(batch._req)
@@ -258,10 +249,6 @@ class SuffixGenerationBatch(GenerationBatch):
     def _step(self) -> Tuple[List[int], List[mx.array]]:
         # The stock single-token step; feed the emitted tokens to the drafters.
         tokens, logprobs = super()._step()
-        if self._last_check is not None:
-            wait, since = self._last_check
-            self._last_check = None
-            self.drafter.policy.observe_check(wait, time.perf_counter() - since)
         if not self._pending_committed:
             self._commit(tokens)
         self._pending_committed = False
@@ -315,12 +302,11 @@ class SuffixGenerationBatch(GenerationBatch):
             drafts.append(self.drafter.propose(req, k) if req is not None and k > 1 else Draft())
         return drafts
 
-    def _cut(self, drafts: List[Draft], pipelined: bool = True, check: bool = False) -> List[Draft]:
+    def _cut(self, drafts: List[Draft], pipelined: bool = True) -> List[Draft]:
         """The drafts cut to the lengths the policy verifies (``pipelined``:
-        after the plain step; ``check``: their first tokens are not checked
-        yet)."""
+        after the plain step)."""
         replay = rollback.replays_rows(self.prompt_cache)
-        lengths = self.drafter.policy.batch_lengths(drafts, pipelined, check, replay)
+        lengths = self.drafter.policy.batch_lengths(drafts, pipelined, replay)
         # Distributed: every rank verifies rank 0's drafts.
         return ranks.drafts([d.truncate(n) for d, n in zip(drafts, lengths)])
 
@@ -328,7 +314,6 @@ class SuffixGenerationBatch(GenerationBatch):
         if not self.uids:
             return []
         settled, self._settled = self._settled, False
-        self._last_check, self._check = self._check, None
         if not self._can_draft():
             return super().next()
         joined, self._joined = self._joined, False
@@ -337,7 +322,6 @@ class SuffixGenerationBatch(GenerationBatch):
             # their first tokens are pending: the stock step, so that none of
             # them waits for a verification (each prompt segment or chunk
             # waits for one generation step, mlx-lm's BatchGenerator._next).
-            self._last_check = None  # prompts were inserted since
             self.draft_stats.yield_steps += 1
             return super().next()
         self.drafter.policy.ensure_cost(self.model)  # adaptive policy: once per drafter
@@ -362,13 +346,11 @@ class SuffixGenerationBatch(GenerationBatch):
         responses = super().next()
         if not self.uids or not self._can_draft():
             return responses
-        drafts = self._cut(early if early is not None else self._propose(), check=True)
+        drafts = self._cut(early if early is not None else self._propose())
         if not any(drafts):
             return responses
         # Wait for the queued forward: its tokens check each draft's first.
-        tic = time.perf_counter()
         nxt = self._next_tokens.tolist()
-        toc = time.perf_counter()
         self._settled = True
         self.draft_stats.check_steps += 1
         for i, (d, t) in enumerate(zip(drafts, nxt)):
@@ -378,7 +360,6 @@ class SuffixGenerationBatch(GenerationBatch):
         # The width again, for the confirmed drafts alone.
         drafts = self._cut(drafts)
         if not any(drafts):
-            self._check = (toc - tic, toc)
             return responses
         self._commit(nxt)
         return responses + self._verify(nxt, drafts)

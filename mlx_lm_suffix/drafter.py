@@ -211,7 +211,6 @@ class SuffixDrafter:
                 probability_scale=self.policy.calibration.ratios(),
                 verify_cost=cost.relative() if cost is not None else None,
                 batch_cost_factors=cost.batch_relative() if cost is not None else None,
-                check_cost_s=cost.check if cost is not None else None,
                 active_requests=self.active_requests,
                 cached_requests=self.cached_requests,
                 cached_tokens=self.cached_tokens,

@@ -275,35 +275,6 @@ def test_first_token_miss_costs_no_verification(model_and_tokenizer, prompts):
     assert drafter.stats.steps == drafter.stats.tokens
 
 
-def test_checks_must_pay_for_what_they_cost(model_and_tokenizer, prompts):
-    """Checking drafts' first tokens waits for the queued plain forward: the
-    batch learns what that costs from checks that verified nothing (the
-    smaller of the wait and the host work after it), and checks no drafts
-    whose expected saving does not cover it; outputs stay stock's."""
-    model, tokenizer = model_and_tokenizer
-    ref, _ = _stock_run(model, tokenizer, prompts, [MAX_TOKENS] * len(prompts))
-    cheap = {1: 1.0, 256: 1.05}
-    learning = WrongFirstToken(policy="adaptive", cost=VerifyCost(cheap))
-    never = WrongFirstToken(policy="adaptive", cost=VerifyCost(cheap, smoothing=0))
-    never.policy.cost.check = 1e6  # dearer than any saving
-    for drafter in (learning, never):
-        stats = BatchDraftStats()
-        for _ in range(2):  # the second round has every response cached
-            gen = _suffix_gen(model, tokenizer, drafter, stats=stats)
-            tokens, _ = _run(gen, prompts, [MAX_TOKENS] * len(prompts))
-            gen.close()
-            assert tokens == ref
-        assert stats.verify_steps == 0
-        if drafter is learning:
-            assert stats.check_steps > 0 and drafter.stats.drafted >= stats.check_steps
-            # Real waits of a few forwards of the tiny model at most.
-            assert 0 < drafter.policy.cost.check < 1.0
-            assert drafter.snapshot()["check_cost_s"] == drafter.policy.cost.check
-        else:
-            assert stats.check_steps == 0 and drafter.stats.drafted == 0
-            assert drafter.stats.steps == drafter.stats.tokens
-
-
 def test_logits_processors_per_position(model_and_tokenizer, prompts):
     model, tokenizer = model_and_tokenizer
     procs = [

@@ -12,12 +12,11 @@ from mlx_lm_suffix.policy import (
     VerifyCost,
     best_batch_lengths,
     best_length,
-    check_pays,
     expected_accepted,
     given_first,
-    unpipelined_length,
 )
 from mlx_lm_suffix.policy import rules as policy
+from mlx_lm_suffix.policy.rules import Policy
 
 
 def _draft(drafter, req, max_tokens=None):
@@ -336,51 +335,25 @@ def test_batch_verification_must_clearly_pay(monkeypatch):
     assert best_batch_lengths([[1.0, 1.0]] * 8, cost, pipelined=True) == [2] * 8
 
 
-def test_checking_drafts_must_pay_for_what_the_check_costs():
-    # Waiting for the plain forward to check first tokens costs `check`;
-    # the verification after it gains only for the rows whose first token
-    # is right. Nothing learnt yet (0): every draft worth verifying is
-    # checked.
-    cost = VerifyCost({1: 1.0, 2: 1.28, 4: 1.76, 8: 1.88, 16: 1.98, 32: 3.36})
-    sure, unlikely = [0.95] * 8, [0.05, 0.03, 0.02, 0.01]
-    for rows in ([sure], [unlikely], [sure, unlikely]):
-        lengths = best_batch_lengths(rows, cost, pipelined=True)
-        assert any(lengths) and check_pays(rows, lengths, cost)
-    assert not check_pays([sure], [0], cost)
-    # A check loses the smaller of its wait and the host work after it (the
-    # mean of the first checks, then a moving average): a GPU-like wait (the
-    # whole forward) with little host work, then a CPU-like short wait.
-    cost.observe_check(wait=1.0, host=0.02)
-    cost.observe_check(wait=0.06, host=2.0)
-    assert cost.check == pytest.approx(0.04)
-    # Then a draft whose first token is seldom right is not worth checking,
-    # a sure one is, and in a batch the sure row carries the others.
-    for rows, pays in (([sure], True), ([unlikely], False), ([sure, unlikely], True)):
-        assert check_pays(rows, best_batch_lengths(rows, cost, pipelined=True), cost) == pays
-    # A cost that learns nothing (smoothing 0) keeps checking.
-    frozen = VerifyCost({1: 1.0}, smoothing=0)
-    frozen.observe_check(0.5, 0.5)
-    assert frozen.check == 0.0
-
-
-def test_one_sequence_verifies_a_likely_draft_with_its_known_token():
-    # This machine's curve: a 2-token forward costs 1.28 plain steps, so the
-    # pipelined way (a plain step, then the tail) pays for two forwards.
-    cost = VerifyCost({1: 1.0, 2: 1.28, 4: 1.76, 8: 1.88, 16: 1.98, 32: 3.36})
-    # A likely draft: one forward over the known token and the draft saves
-    # the plain step.
-    assert unpipelined_length([0.9, 0.85, 0.8, 0.75], cost) == 4
-    # A draft whose first token is seldom right: a plain step checks it for
-    # free; verifying at once would mostly waste its positions.
-    assert unpipelined_length([0.15, 0.15, 0.15, 0.15], cost) == 0
-    # Neither way pays for an unlikely draft; nothing to draft, nothing.
-    assert unpipelined_length([0.1, 0.01], cost) == 0
-    assert unpipelined_length([], cost) == 0
-    # Where a forward over more tokens costs about as much as one, even a
-    # fair first token is worth verifying at once (a miss costs nothing).
-    assert unpipelined_length([0.5] * 8, VerifyCost({1: 1.0, 256: 1.0})) == 8
-    # Where every token costs a full step, nothing pays at once.
-    assert unpipelined_length([1.0] * 8, LINEAR) == 0
+def test_a_batch_of_one_row_is_one_sequence():
+    # One rule per situation: a batch of one row takes the single-sequence
+    # lengths, pipelined (the plain forward checks the first token) and
+    # settled (the pending token is known: verify it with the draft at once,
+    # or 0 for the plain step); a wider batch verifies only pipelined.
+    curves = (FLAT, CPU, LINEAR, VerifyCost({1: 1.0, 2: 1.28, 4: 1.76, 8: 1.88, 16: 1.98, 32: 3.36}))
+    drafts = [[0.9, 0.85, 0.8, 0.75], [0.15] * 4, [0.5] * 8, [1.0] * 8, [0.1, 0.01], []]
+    for cost in curves:
+        policy = Policy(cost=cost)
+        for probs in drafts:
+            d = Draft(list(range(len(probs))), probs, 8)
+            for pipelined in (True, False):
+                assert policy.batch_lengths([d], pipelined) == [policy.length(d, pipelined)]
+            assert policy.batch_lengths([d, d], pipelined=False) == [0, 0]
+    # Settled, a likely draft is verified with the known token where that
+    # beats plain steps; where every token costs a full step, nothing pays.
+    likely = Draft([1, 2, 3, 4], [0.9, 0.85, 0.8, 0.75], 8)
+    assert Policy(cost=curves[3]).length(likely, pipelined=False) == 4
+    assert Policy(cost=LINEAR).length(likely, pipelined=False) == 0
 
 
 def test_drafter_applies_policy_and_records_stats():

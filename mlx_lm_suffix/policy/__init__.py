@@ -8,9 +8,7 @@ from .rules import (
     BATCH_MARGIN,
     best_batch_lengths,
     best_length,
-    check_pays,
     expected_accepted,
-    unpipelined_length,
 )
 
 __all__ = [
@@ -20,8 +18,6 @@ __all__ = [
     "VerifyCost",
     "best_batch_lengths",
     "best_length",
-    "check_pays",
     "expected_accepted",
     "given_first",
-    "unpipelined_length",
 ]

@@ -29,11 +29,7 @@ class VerifyCost:
     attends to its own context, and samples and runs its logits processors
     per position), or of the same widths with other rows, or 1 until one is
     seen. ``smoothing`` is the weight :meth:`observe` gives a real step once
-    there are enough of them (0: nothing is learnt).
-
-    ``check``: the seconds a batch step loses when it waits for its queued
-    plain forward to check drafts' first tokens, learnt by
-    :meth:`observe_check` (0 until a check is seen; see :func:`check_pays`)."""
+    there are enough of them (0: nothing is learnt)."""
 
     def __init__(self, points: Dict[int, float], smoothing: float = 0.1):
         if not points or 1 not in points:
@@ -44,8 +40,6 @@ class VerifyCost:
         self._envelope()
         # (rows, width bucket) -> [factor, steps seen]
         self.batch_factors: Dict[Tuple[int, int], List[float]] = {}
-        self.check = 0.0
-        self._checks_seen = 0
 
     def _envelope(self) -> None:
         """Keep the curve physical: a forward over more tokens never costs
@@ -130,21 +124,6 @@ class VerifyCost:
         scaled = seconds * self.points[near] / max(self(n), 1e-12)
         self.points[near] += self.smoothing * (scaled - self.points[near])
         self._envelope()
-
-    def observe_check(self, wait: float, host: float) -> None:
-        """Learn what a check of drafts' first tokens cost a batch step: it
-        waited ``wait`` seconds for the queued plain forward, and the host
-        work until the next forward was queued (``host`` seconds: the
-        step's own, the caller's, the next step's graph) then followed that
-        forward instead of overlapping it. The step lost at most the smaller
-        of the two: on a GPU, where the wait is most of the forward, the
-        host work; on a CPU backend, whose forward mostly runs before
-        ``mx.async_eval`` returns, the wait. The mean of the first checks,
-        then a moving average."""
-        if not self.smoothing:
-            return
-        self._checks_seen += 1
-        self.check = self._average(self.check, self._checks_seen, min(wait, host))
 
     def _average(self, mean: float, seen: int, sample: float) -> float:
         """``mean`` updated with the ``seen``-th sample: the plain mean of the

@@ -46,12 +46,10 @@ class Policy:
     ask again, pipelined, with the same drafts).
 
     ``"adaptive"`` (once it has a cost curve, :attr:`cost_aware`): one
-    sequence takes the length with the best expected tokens per second
-    (:func:`best_length`); a batch takes the one width that saves the most
-    time (:func:`best_batch_lengths`), checks first tokens only where that
-    pays (:func:`check_pays`) and verifies at once only with one row
-    (:func:`unpipelined_length`). ``"fixed"``: drafts as proposed; one row
-    verifies at once whenever it has a draft.
+    sequence, or a batch of one row, takes the length with the best expected
+    tokens per second (:func:`best_length`); a batch of more rows takes the
+    one width that saves the most time (:func:`best_batch_lengths`), and
+    only pipelined. ``"fixed"``: drafts as proposed.
 
     A point timed during a load spike can make
     every draft look too dear, and then nothing is verified that would time
@@ -116,27 +114,23 @@ class Policy:
         return 2
 
     def batch_lengths(
-        self, drafts: Sequence[Any], pipelined: bool, check: bool = True, replay: bool = False
+        self, drafts: Sequence[Any], pipelined: bool, replay: bool = False
     ) -> List[int]:
-        """How many tokens of each row's draft to verify; ``check``: the
-        first tokens are not checked yet (pipelined only; a second call for
-        the confirmed drafts passes ``False``); ``replay``: a rejection
-        costs feeding every row's kept tokens again."""
+        """How many tokens of each row's draft to verify; ``replay``: a
+        rejection costs feeding every row's kept tokens again. One row is
+        one sequence (:meth:`length`); more rows verify only pipelined."""
+        if len(drafts) == 1:
+            return [self.length(drafts[0], pipelined, replay)]
         lengths = [len(d) for d in drafts]
-        if not pipelined and len(drafts) != 1:
+        if not pipelined:
             return [0] * len(drafts)
         if self.cost_aware and any(lengths):
-            cost, probs = self.cost, [self.probs(d) for d in drafts]
-            if not pipelined:
-                # Not explored: the pipelined step that follows is.
-                return [unpipelined_length(probs[0], cost, replay)]
-            chosen = best_batch_lengths(probs, cost, True, replay)
-            if check and not check_pays(probs, chosen, cost, replay):
-                chosen = [0] * len(drafts)
+            probs = [self.probs(d) for d in drafts]
+            chosen = best_batch_lengths(probs, self.cost, True, replay)
             if self._explore(max(chosen), max(lengths)) and not any(chosen):
                 chosen = [min(n, 2) for n in lengths]
             lengths = chosen
-        return [n if n >= 2 or not pipelined else 0 for n in lengths]
+        return [n if n >= 2 else 0 for n in lengths]
 
     def record(self, draft: Any, verified: int, accepted: int) -> None:
         """Learn from a verified draft: its first ``verified`` tokens were
@@ -154,11 +148,6 @@ class Policy:
         """A forward of ``n`` tokens over ``rows`` rows took ``seconds``."""
         if self.cost is not None:
             self.cost.observe(n, seconds, rows=rows)
-
-    def observe_check(self, wait: float, host: float) -> None:
-        """A check that verified nothing (:meth:`VerifyCost.observe_check`)."""
-        if self.cost is not None:
-            self.cost.observe_check(wait, host)
 
 
 def expected_accepted(probs: Sequence[float], length: int) -> float:
@@ -272,45 +261,3 @@ def _best_width(
         if saved > best_saved:
             best_k, best_saved = k, saved
     return best_k, best_saved
-
-
-def check_pays(
-    probs: List[Sequence[float]], lengths: Sequence[int], cost: VerifyCost, replay: bool = False
-) -> bool:
-    """Whether the rows' drafts, cut to ``lengths`` by
-    :func:`best_batch_lengths` (pipelined), are worth checking: checking
-    costs about ``cost.check`` (the step waits for its queued plain forward,
-    see :meth:`VerifyCost.observe_check`), while the verification after it
-    saves time only for the rows whose first token that forward confirms.
-    So the time it would save with every first token confirmed, weighted by
-    the share of its expected tokens whose rows' first tokens are right
-    (``probs[i][0]``), must exceed ``cost.check``."""
-    if not any(lengths):
-        return False
-    if cost.check <= 0:
-        return True
-    width, saved = _best_width(probs, cost, True, replay)
-    gains = [
-        (p[0], 1 + expected_accepted(given_first(p), width))
-        for p, n in zip(probs, lengths)
-        if n
-    ]
-    confirmed = sum(p0 * g for p0, g in gains) / sum(g for _, g in gains)
-    return saved * confirmed > cost.check
-
-
-def unpipelined_length(probs: Sequence[float], cost: VerifyCost, replay: bool = False) -> int:
-    """For one sequence whose next token is known and whose cache is idle
-    (its last step verified a draft, or synced to check one): the draft
-    length to verify in one forward together with that token, or ``0`` to
-    take the pipelined way (a plain step over the token, which checks the
-    draft's first token, then the rest if it was right; see
-    :func:`best_batch_lengths`) because that saves more time in
-    expectation. Verifying at once saves the plain step when the draft's
-    first token is right and wastes the draft's positions when it is not,
-    so it is for drafts whose first token is likely."""
-    if not probs:
-        return 0
-    now, saved_now = _best_width([probs], cost, False, replay)
-    _, saved_after = _best_width([probs], cost, True, replay)
-    return now if now and saved_now > probs[0] * saved_after else 0
