@@ -42,6 +42,12 @@ from .verification import accepted_length
 
 Pending = Tuple[mx.array, mx.array]  # (token of shape [1], logprobs of shape [1, V])
 
+#: The narrowest prefill chunk whose time becomes a point of the cost curve:
+#: the default draft limit, so the point lies past the widths drafts use and
+#: only anchors the curve there. (A chunk computes no logits; a narrow one
+#: could price below a verification of fewer tokens.)
+PREFILL_POINT_TOKENS = 64
+
 
 def warn_no_rollback(model: nn.Module, cache: List[Any]) -> None:
     """Warn once per model that its cache cannot roll back, so no drafting."""
@@ -190,12 +196,32 @@ def _prefill(
 ) -> Pending:
     """The prompt into the cache by mlx-lm's own ``generate_step`` (with
     ``max_tokens=0`` it runs the prefill and the first step, and yields
-    nothing); its sampler is wrapped to keep the first token and logprobs."""
+    nothing); its sampler is wrapped to keep the first token and logprobs.
+
+    Each prefill chunk is a forward over many tokens that generation takes
+    anyway: ``generate_step`` evaluates the cache after each chunk, then
+    reports progress, so the time between two reports is a chunk's forward,
+    and the policy's cost curve gets a chunk of at least
+    :data:`PREFILL_POINT_TOKENS` as a point (:meth:`VerifyCost.observe`):
+    past the widths verified so far the curve then grows towards it instead
+    of extrapolating its first segment."""
     first: List[mx.array] = []
 
     def sampler(logprobs: mx.array) -> mx.array:
         first[:] = [seq.sampler(logprobs), logprobs]
         return first[0]
+
+    last: List[float] = []  # (tokens, time) of the last report
+
+    def timed(done: int, total: int) -> None:
+        now = time.perf_counter()
+        # A chunk (not the last report, which follows the first step) wide
+        # enough that the forward's own work dominates, as a verification's.
+        if last and done - last[0] >= PREFILL_POINT_TOKENS and done < total:
+            seq.drafter.policy.observe(int(done - last[0]), now - last[1])
+        last[:] = [done, now]
+        if progress is not None:
+            progress(done, total)
 
     start, group_size, bits = seq.kv_quantization
     for _ in generate_step(
@@ -210,7 +236,7 @@ def _prefill(
         kv_bits=bits,
         kv_group_size=group_size,
         quantized_kv_start=start,
-        prompt_progress_callback=progress,
+        prompt_progress_callback=timed if seq.num_draft_tokens else progress,
     ):
         pass
     return first[0], first[1]

@@ -539,3 +539,30 @@ def test_a_plain_step_is_timed_as_one_forward(model_and_tokenizer):
         assert drafted > 0
     plain = [s for n, s in seen if n == 1]
     assert len(plain) >= 5 and statistics.median(plain) < 1.6 * nap
+
+
+def test_prefill_chunks_become_cost_points(model_and_tokenizer):
+    # A prefill chunk is a forward over many tokens that generation takes
+    # anyway: its time becomes a point of the cost curve, so past the widths
+    # verified the curve grows towards it (not as its first segment); chunks
+    # narrower than PREFILL_POINT_TOKENS do not. Progress reports stay stock's.
+    from mlx_lm_suffix.loop import PREFILL_POINT_TOKENS
+
+    model, tokenizer = model_and_tokenizer
+    text = Path(inspect.getsourcefile(inspect)).read_text()[5000:9000]
+    prompt = tokenizer.encode(text)[:300]
+    step = 128
+    stock_reports, reports = [], []
+    ref = _stock(model, prompt, max_tokens=8, prefill_step_size=step,
+                 prompt_progress_callback=lambda *a: stock_reports.append(a))
+    drafter = SuffixDrafter()  # adaptive: the probe times 1 and 2 tokens
+    out, _ = _suffix(model, prompt, drafter, max_tokens=8, prefill_step_size=step,
+                     prompt_progress_callback=lambda *a: reports.append(a))
+    assert out == ref and reports == stock_reports
+    points = drafter.policy.cost.points
+    assert step in points and 2 in points
+    assert points[step] > points[2]
+    # A prompt whose chunks are all narrower adds no point.
+    before = set(points)
+    _suffix(model, prompt[: PREFILL_POINT_TOKENS], drafter, max_tokens=4, prefill_step_size=PREFILL_POINT_TOKENS - 8)
+    assert set(drafter.policy.cost.points) <= before | {1, 2}
