@@ -137,6 +137,7 @@ def test_progress_names_each_prompt_and_run_with_its_tokens(tiny, prompts, monke
     ends = [line for line in lines if " tokens in " in line]
     want = []
     for i, res in enumerate(results):
+        want.append(f"prompt {i + 1}/2 prefill: {res['prompt_tokens'] - 1} tokens in ")
         want.append(f"prompt {i + 1}/2 spec-off: {res['tokens']} tokens in ")
         want += [f"prompt {i + 1}/2 {r['run']}: {r['tokens']} tokens in " for r in res["runs"]]
     assert [line[: len(w)] for line, w in zip(ends, want, strict=True)] == want

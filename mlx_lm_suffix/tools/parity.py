@@ -2,8 +2,11 @@
 
 For each prompt, a spec-off run (stock ``mlx_lm.generate.generate_step``,
 greedy) is compared token for token with spec-on runs (a step function such
-as :func:`mlx_lm_suffix.loop.suffix_generate_step`, greedy). Every run
-starts from a fresh KV cache. The spec-on runs share one fresh
+as :func:`mlx_lm_suffix.loop.suffix_generate_step`, greedy). The prompt but
+its last token is prefilled once (by stock ``generate_step``), and every run
+starts from its own copy of that cache and feeds the last token, so a
+prefill-bound model (4-bit or bfloat16 on a CPU) prefills each prompt once,
+not three times. The spec-on runs share one fresh
 :class:`SuffixDrafter` and each prompt runs twice: the *first* run drafts
 from the prompt, its own output and earlier prompts' responses; the *repeat*
 run also finds its own earlier response in the global cache, so it drafts
@@ -20,6 +23,7 @@ A run is:
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import json
@@ -30,6 +34,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
 
 from ..drafter import DEFAULT_NUM_DRAFT_TOKENS, SuffixDrafter
 from ..loop import suffix_generate_step
@@ -150,12 +155,13 @@ def _top_k(logprobs: mx.array, k: int) -> Dict[int, float]:
 
 
 class Progress:
-    """Reports how a parity run goes to ``report`` (one line each): every
-    run's end (which prompt, tokens, seconds, and the time left estimated
+    """Reports how a parity run goes to ``report`` (one line each): the end
+    of every prompt's prefill and of every run (which prompt, tokens,
+    seconds, and the time left estimated
     from the seconds per run so far) and, inside a run, every
     :data:`PROGRESS_EVERY` seconds the tokens so far."""
 
-    def __init__(self, report: Callable[[str], None], prompts: int, runs_per_prompt: int = 3):
+    def __init__(self, report: Callable[[str], None], prompts: int, runs_per_prompt: int = 4):
         self.report, self.runs = report, prompts * runs_per_prompt
         self.prompts, self.start = prompts, time.perf_counter()
         self.runs_done, self.what, self.run_start, self.last = 0, "", 0.0, 0.0
@@ -188,6 +194,19 @@ def _quiet(line: str) -> None:
     pass
 
 
+def prefill(model: nn.Module, prompt: Sequence[int]) -> Tuple[List[Any], List[int]]:
+    """A cache holding ``prompt`` but its last token (stock ``generate_step``'s
+    prefill and first step over them), and what is left to feed. Each run
+    takes a copy (:func:`copy.deepcopy`: the cache's arrays are its own)."""
+    cache = make_prompt_cache(model)
+    if len(prompt) < 2:
+        return cache, list(prompt)
+    for _ in generate_step(mx.array(prompt[:-1]), model, max_tokens=0, prompt_cache=cache):
+        pass
+    mx.eval([c.state for c in cache])
+    return cache, list(prompt[-1:])
+
+
 def reference_run(
     model: nn.Module,
     prompt: Sequence[int],
@@ -195,11 +214,15 @@ def reference_run(
     eos: Sequence[int],
     top_k: int,
     progress: Optional[Progress] = None,
+    prompt_cache: Optional[List[Any]] = None,
 ) -> Tuple[List[int], List[Dict[int, float]]]:
-    """Spec-off greedy tokens and, per position, the top-k ``{token: logprob}``."""
+    """Spec-off greedy tokens and, per position, the top-k ``{token: logprob}``
+    (``prompt``: the tokens not in ``prompt_cache``)."""
     tokens: List[int] = []
     tops: List[Dict[int, float]] = []
-    for tok, logprobs in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+    for tok, logprobs in generate_step(
+        mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=prompt_cache
+    ):
         tokens.append(int(tok))
         tops.append(_top_k(logprobs, top_k))
         if progress:
@@ -273,7 +296,8 @@ def parity(
         top_k, tie_threshold: The NEAR_TIE rule (see :func:`compare`).
         step_fn: The spec-on generator, called like
             :func:`suffix_generate_step` ``(prompt, model, drafter,
-            num_draft_tokens=..., max_tokens=...)``; tests inject broken ones.
+            num_draft_tokens=..., max_tokens=..., prompt_cache=...,
+            draft_prompt=...)``; tests inject broken ones.
         report: Called with a line of progress (see :class:`Progress`).
 
     Returns:
@@ -294,8 +318,13 @@ def parity(
     results = []
     for index, prompt in enumerate(prompts):
         ids = encode_prompt(tokenizer, prompt)
+        progress.begin(index, "prefill")
+        cache, rest = prefill(model, ids)
+        progress.end(len(ids) - len(rest))
         progress.begin(index, "spec-off")
-        reference, tops = reference_run(model, ids, max_tokens, eos, top_k, progress)
+        reference, tops = reference_run(
+            model, rest, max_tokens, eos, top_k, progress, copy.deepcopy(cache)
+        )
         progress.end(len(reference))
         runs = []
         for name in ("first", "repeat"):
@@ -304,11 +333,13 @@ def parity(
             tokens: List[int] = []
             from_draft = 0
             for tok, _, drafted in step_fn(
-                mx.array(ids),
+                mx.array(rest),
                 model,
                 drafter,
                 num_draft_tokens=num_draft_tokens,
                 max_tokens=max_tokens,
+                prompt_cache=copy.deepcopy(cache),
+                draft_prompt=ids,
             ):
                 tokens.append(int(tok))
                 from_draft += bool(drafted)
