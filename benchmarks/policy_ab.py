@@ -47,7 +47,7 @@ class NoLongMatch(SuffixDrafter):
     """The trees' best draft only (no preference for a long match)."""
 
     def _speculate(self, req_id, req, limit):
-        d = self._caches[req.scope].speculate(
+        d = self._trees[req.scope].speculate(
             req_id,
             req.context[-self.max_tree_depth :],
             max_spec_tokens=limit,

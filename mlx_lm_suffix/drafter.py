@@ -208,6 +208,7 @@ class SuffixDrafter:
             d = self.stats.as_dict()
             cost = self.policy.cost
             d.update(
+                refused=self.policy.refused,
                 probability_scale=self.policy.calibration.ratios(),
                 verify_cost=cost.relative() if cost is not None else None,
                 batch_cost_factors=cost.batch_relative() if cost is not None else None,

@@ -142,10 +142,11 @@ def test_drafts_short_or_nothing_when_unlikely_or_dear():
     assert k == 3
 
 
-def _shrunk(accepted, expected, pool_accepted, pool_expected, prior=10.0):
+def _shrunk(accepted, expected, pool_accepted, pool_expected, prior=10.0, start=1.0):
     """A cell's ratio: its own counts, plus ``prior`` tokens at its pool's
-    ratio (the pool's own prior: ``prior`` tokens at 1.0)."""
-    pooled = (pool_accepted + prior) / (pool_expected + prior)
+    ratio (the pool's own prior: ``prior`` tokens at ``start``, 1.0 but for
+    short matches' tail steps)."""
+    pooled = (pool_accepted + prior * start) / (pool_expected + prior)
     return (accepted + prior * pooled) / (expected + prior)
 
 
@@ -155,11 +156,15 @@ def test_probability_scale_shortens_drafts():
     assert best_length([0.1 * p for p in probs], MID) == 0
     assert expected_accepted([0.45] * 4, 4) == pytest.approx(1.8)
     c = Calibration()
-    assert c.ratio(1, "first") == c.ratio(40, "tail") == 1.0  # nothing seen
+    assert c.ratio(1, "first") == c.ratio(LONG_MATCH, "tail") == 1.0  # nothing seen
+    # An unverified short match's continuation may break at any step.
+    assert c.ratio(40, "tail") == c.short_tail_ratio == 0.9
     for i in range(50):  # first tokens right 4 in 5, tails never
         c.update([0.5] * 4, accepted=1 if i % 5 else 0, match_len=2)
     first = _shrunk(40, 25, 40, 25)
-    tail = _shrunk(0, 120, 0, 120)
+    # Only the steps reached are trials: the second token after each of
+    # the 40 accepted first tokens (estimate 1 given the first).
+    tail = _shrunk(0, 40, 0, 40, start=0.9)
     assert c.ratio(1, "first") == pytest.approx(first)
     assert c.ratio(1, "tail") == pytest.approx(tail)
     # Match lengths not seen yet start from what their part has earned.
@@ -170,10 +175,13 @@ def test_probability_scale_shortens_drafts():
     assert c.ratio(90, "tail") == 1.0
     assert c.ratio(LONG_MATCH, "first") == c.long_first_ratio == 2.0
     assert c.scale([0.5, 0.5], LONG_MATCH) == [1.0, 1.0]
-    assert c.ratio(20, "tail") == pytest.approx(10 / 130)
+    assert c.ratio(20, "tail") == pytest.approx(9 / 50)
     # Flat estimates after a short match (one continuation known) are scaled
-    # down after the first token too, so a pipelined tail no longer looks sure.
-    assert c.scale([0.5] * 3, 2) == pytest.approx([first / 2, first / 2 * tail, first / 2 * tail])
+    # down after the first token too, step by step, so a pipelined tail no
+    # longer looks sure and falls the further it goes.
+    assert c.scale([0.5] * 3, 2) == pytest.approx(
+        [first / 2, first / 2 * tail, first / 2 * tail**2]
+    )
     assert best_length([0.5] * 8, MID, pipelined=True) == 8
     assert best_length(c.scale([0.5] * 8, 2), MID, pipelined=True) == 0
     ratios = c.ratios()
@@ -189,9 +197,11 @@ def test_probability_scale_shortens_drafts():
     for _ in range(50):
         r.update([0.5, 0.5], accepted=2, match_len=20)
     assert r.ratio(20, "first") == pytest.approx(_shrunk(50, 25, 50, 25))
-    assert r.ratio(20, "tail") == 1.0  # flat tails were right: nothing to correct
+    # Flat tails were right: their steps come to be trusted, from the prior.
+    tail = _shrunk(50, 50, 50, 50, start=0.9)
+    assert r.ratio(20, "tail") == pytest.approx(tail) and 0.99 < tail < 1
     first = _shrunk(50, 25, 50, 25)
-    assert r.scale([0.5, 0.25], 20) == pytest.approx([first / 2, first / 4])
+    assert r.scale([0.5, 0.25], 20) == pytest.approx([first / 2, first / 4 * tail])
     dearish = VerifyCost({1: 1.0, 2: 1.6, 32: 19.6})
     assert best_length([0.5] * 8, dearish) == 0
     assert best_length(r.scale([0.5] * 8, 20), dearish) == 8
@@ -205,10 +215,11 @@ def test_probability_scale_shortens_drafts():
     for _ in range(50):
         b.update([0.5, 0.3, 0.1], accepted=3, match_len=5)
     ratio = b.ratio(5, "tail")
-    assert ratio == pytest.approx(_shrunk(100, 40, 100, 40))
+    steps = 50 * (0.6 + 0.1 / 0.3)  # each step's estimate given the one before
+    assert ratio == pytest.approx(_shrunk(100, steps, 100, steps, start=0.9))
     first = 0.5 * _shrunk(50, 25, 50, 25)
-    assert 0.6 * ratio > 1  # given the first: at most 1
-    assert b.scale([0.5, 0.3, 0.1], 5) == pytest.approx([first, first, first * 0.2 * ratio])
+    assert 0.6 * ratio > 1  # a step: at most 1
+    assert b.scale([0.5, 0.3, 0.1], 5) == pytest.approx([first, first, first * ratio / 3])
     assert best_length(b.scale([0.5, 0.3, 0.1], 5), MID, pipelined=True) == 3
 
     # Unverified drafts teach nothing; a first-token miss teaches the first part only.
@@ -216,7 +227,7 @@ def test_probability_scale_shortens_drafts():
     m.update([], accepted=0, match_len=3)
     m.update([0.9], accepted=0, match_len=3)
     assert m.ratio(3, "first") == pytest.approx(_shrunk(0, 0.9, 0, 0.9))
-    assert m.ratio(3, "tail") == 1.0
+    assert m.ratio(3, "tail") == m.short_tail_ratio
     assert m.expected == {("first", "tree", 1): 0.9, ("first", "tree", "short"): 0.9}
 
 
@@ -368,7 +379,10 @@ def test_drafter_applies_policy_and_records_stats():
         d.commit(q, [10, 11, 12, 13, 14, 15, 16, 17, 18, 19])
         d.record(drafted=4, accepted=3, draft=Draft([1, 2, 3, 4], [1.0, 1.0, 1.0, 0.5]))
     lens = [len(_draft(d, q)) for d, q in ((cheap, 1), (dear, 1), (fixed, 1))]
-    assert lens[0] > 0 and lens[1] == 0 and lens[2] == lens[0]
+    # Cheap verification takes the draft about as far as its cost stays flat.
+    assert 0 < lens[0] <= lens[2] == 20 and lens[1] == 0
+    # Where nothing pays, the stats say so.
+    assert [d.snapshot()["refused"] for d in (cheap, dear, fixed)] == [0, 1, 0]
     snap = fixed.snapshot()
     assert snap["lengths"] == {"4": 1} and snap["expected_acceptance_rate"] == 0.875
     with pytest.raises(ValueError, match="policy"):

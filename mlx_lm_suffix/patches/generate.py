@@ -58,11 +58,14 @@ def resolve_drafter(draft_model: Any, model: Any) -> Optional[SuffixDrafter]:
 
 def format_stats(stats: dict) -> str:
     """One line of drafting stats for ``--verbose`` output and logs."""
-    return (
+    line = (
         f"Suffix decoding: drafted {stats['drafted']}, accepted {stats['accepted']} "
         f"({100 * stats['acceptance_rate']:.1f}%), {stats['tokens']} tokens in "
         f"{stats['steps']} steps ({stats['tokens_per_step']:.2f} tokens/step)"
     )
+    if stats.get("refused"):
+        line += f"; {stats['refused']} drafts not verified: they would not pay"
+    return line
 
 
 def patch(module: ModuleType) -> Replacements:

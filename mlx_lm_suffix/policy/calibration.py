@@ -29,21 +29,35 @@ class Calibration:
     calibrated as theirs, so copies that fail do not cut the trees' drafts
     they extend.
 
+    The tail is calibrated step by step: each token after the first is a
+    trial reached only when every token before it was accepted, expected
+    with its estimate given the one before (``probs[i] / probs[i - 1]``),
+    and its scaled estimate is the product of the scaled steps so far. A
+    continuation known from one occurrence has steps of 1 however far it
+    goes, and text breaks away at some token along it, so a ratio below 1
+    makes such a draft's estimates fall geometrically with its length, as
+    acceptance does; a ratio of cumulative estimates would scale every
+    position alike, the 30th as the 2nd.
+
     Constants: a cell starts from the ratio of its pool (its part and
     source over the short buckets, or the long bucket alone), worth
     ``prior_expected`` tokens, so a cell not verified yet is trusted as much
     as the traffic has earned; a pool starts from ``prior_ratio`` (the
-    estimates as they are). Long matches (a repeated request, text copied
-    before) are pooled apart, so the distrust short template matches teach
-    does not carry over to repeats, and their first tokens start from
+    estimates as they are), except two. Short matches' tail steps start
+    from ``short_tail_ratio``: an unverified continuation may break at any
+    token, and where verification costs nearly a plain step per token (a
+    quantized model on a CPU) only drafts whose every step is likely pay,
+    so a new process does not verify long flat drafts before it has seen
+    any accepted. Long matches (a repeated request, text copied before)
+    are pooled apart, so the distrust short template matches teach does not
+    carry over to repeats, and their first tokens start from
     ``long_first_ratio``: there the trees' 0.5 for a continuation seen once
     is their own occurrence counted, and a batch, which verifies only what
     beats plain steps by a margin, would not draft repeats until it had
-    learnt that. Counts are
-    halved once a cell has seen 500 expected tokens, so it keeps adapting.
-    ``max_ratio`` bounds how far a streak of full acceptances can lift a
-    low estimate (a continuation seen once reads 0.5 and may be lifted to
-    certainty, not beyond)."""
+    learnt that. Counts are halved once a cell has seen 500 expected
+    tokens, so it keeps adapting. ``max_ratio`` bounds how far a streak of
+    full acceptances can lift a low estimate (a continuation seen once
+    reads 0.5 and may be lifted to certainty, not beyond)."""
 
     #: Upper bounds of the match length buckets (the last is open).
     BUCKETS = (2, 4, 8, 16, 32, LONG_MATCH - 1)
@@ -58,11 +72,13 @@ class Calibration:
         prior_ratio: float = 1.0,
         max_ratio: float = 2.5,
         long_first_ratio: float = 2.0,
+        short_tail_ratio: float = 0.9,
     ):
         self.prior_expected = prior_expected
         self.prior_ratio = prior_ratio
         self.max_ratio = max_ratio
         self.long_first_ratio = long_first_ratio
+        self.short_tail_ratio = short_tail_ratio
         # Verified tokens' estimates and how many were accepted, per cell
         # (part, source, bucket) and per pool (part, source, long or short).
         self.expected: Dict[tuple, float] = {}
@@ -79,7 +95,10 @@ class Calibration:
 
     def _ratio(self, cell: tuple) -> float:
         pool, prior = self._pool(cell), self.prior_expected
-        start = self.long_first_ratio if pool == ("first", cell[1], "long") else self.prior_ratio
+        start = {
+            ("first", "long"): self.long_first_ratio,
+            ("tail", "short"): self.short_tail_ratio,
+        }.get((pool[0], pool[2]), self.prior_ratio)
         pooled = (self.accepted.get(pool, 0.0) + prior * start) / (
             self.expected.get(pool, 0.0) + prior
         )
@@ -114,19 +133,17 @@ class Calibration:
         tree_match: int = 0,
     ) -> List[float]:
         """The (cumulative) estimates as probabilities for the policy: the
-        first token's scaled by its cell's ratio, each later one's given the
-        first (``probs[i] / probs[0]``) by its own cell's, each at most 1
-        and at most the one before. ``source``: the draft's
-        (:data:`SOURCES`); ``tree_len``, ``tree_match``: for a copy, how
-        many leading tokens the trees drafted and from what match."""
+        first token's scaled by its cell's ratio, then each step's (its
+        estimate given the token before) by its own cell's, at most 1, and
+        multiplied along. ``source``: the draft's (:data:`SOURCES`);
+        ``tree_len``, ``tree_match``: for a copy, how many leading tokens
+        the trees drafted and from what match."""
         if not probs or probs[0] <= 0:
             return [0.0] * len(probs)
         cells = self._cells(len(probs), match_len, source, tree_len, tree_match)
-        first = min(1.0, self._ratio(("first", *cells[0])) * probs[0])
-        out, cond = [first], 1.0
-        for cell, q in zip(cells[1:], given_first(probs)):
-            cond = min(cond, self._ratio(("tail", *cell)) * q)
-            out.append(first * cond)
+        out = [min(1.0, self._ratio(("first", *cells[0])) * probs[0])]
+        for cell, step in zip(cells[1:], _steps(probs)):
+            out.append(out[-1] * min(1.0, self._ratio(("tail", *cell)) * step))
         return out
 
     def update(
@@ -145,9 +162,9 @@ class Calibration:
             return
         cells = self._cells(len(probs), match_len, source, tree_len, tree_match)
         self._add(("first", *cells[0]), probs[0], min(accepted, 1))
-        if accepted:
-            for i, (cell, q) in enumerate(zip(cells[1:], given_first(probs)), 1):
-                self._add(("tail", *cell), q, int(accepted > i))
+        # The steps reached: each after a run of accepted tokens.
+        for i, step in enumerate(_steps(probs)[:accepted], 1):
+            self._add(("tail", *cells[i]), step, int(accepted > i))
 
     def _add(self, cell: tuple, expected: float, accepted: float) -> None:
         for key in (cell, self._pool(cell)):
@@ -168,6 +185,12 @@ class Calibration:
             }
             for s in self.SOURCES
         }
+
+
+def _steps(probs: Sequence[float]) -> List[float]:
+    """Each draft token's estimate after the first, given the one before
+    it (the trees' estimates are cumulative)."""
+    return [min(1.0, p / q) if q > 0 else 0.0 for q, p in zip(probs, probs[1:])]
 
 
 def given_first(probs: Sequence[float]) -> List[float]:

@@ -65,7 +65,10 @@ class Policy:
         self.name = name
         self.cost = cost
         self.calibration = Calibration()
-        self._refused = 0  # drafts refused for their cost in a row
+        #: Drafts (of at least 2 tokens) not verified because verifying
+        #: them would not pay, in all.
+        self.refused = 0
+        self._refused = 0  # ... in a row
 
     @property
     def cost_aware(self) -> bool:
@@ -107,6 +110,7 @@ class Policy:
             self._refused = 0
         if chosen or proposed < 2:
             return chosen
+        self.refused += 1
         self._refused += 1
         if self._refused <= EXPLORE_AFTER:
             return 0

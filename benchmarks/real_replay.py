@@ -1,0 +1,190 @@
+"""Replay a real model's own greedy outputs through the drafter and the
+policy as the single-sequence loop runs them (pipelined), under fixed cost
+curves, once per calibration variant (no model needed after the outputs).
+
+    python benchmarks/real_replay.py [--model smollm2-f32] [--n 8]
+        [--max-tokens 128] [--outputs FILE] [--group 2]
+
+The outputs (stock ``stream_generate``, greedy, of the built-in workloads)
+are generated once and kept in ``--outputs``. The replay follows
+:func:`mlx_lm_suffix.loop.suffix_generate_step`: a plain step's forward runs
+while the next draft is chosen (pipelined) and checks the draft's first
+token; a confirmed draft is verified at ``cost(len)``; after a verification
+the bonus token is known and nothing runs (settled): a draft is verified
+with it at ``cost(len + 1)``, or a plain step is taken. Each ``--group``
+requests share a fresh drafter (as the bench's cold arms do: 2 requests
+per repetition). Prints, per cost curve and workload, the mean over
+requests of the estimated decode speedup (stock's forwards / the summed
+costs), cold and warm (the global cache holding every response first).
+Results: docs/choosing-defaults.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any, Dict, List, Sequence, Tuple
+
+from mlx_lm_suffix.drafter import Draft, SuffixDrafter
+from mlx_lm_suffix.policy import Calibration, VerifyCost, calibration
+from mlx_lm_suffix.tools import workloads
+from mlx_lm_suffix.verification import accepted_length
+
+#: Forward cost by tokens fed, relative to a 1-token step: the 4-bit real
+#: model as this CPU's loop learnt it (a 457-token prefill chunk included),
+#: float32 with OpenBLAS, and a Mac GPU-like flat curve.
+CURVES: Dict[str, Dict[int, float]] = {
+    "4bit": {1: 1.0, 2: 1.85, 6: 5.54, 13: 10.5, 24: 19.4, 457: 279.0},
+    "cpu-f32": {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.6, 16: 2.3, 64: 9.0, 128: 17.0},
+    "gpu": {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2, 32: 1.4, 64: 1.8, 128: 2.6},
+}
+
+
+class CumulativeTail(Calibration):
+    """The tail calibrated as before 2026-12-03: one ratio of accepted to
+    expected cumulative estimates (given the first), over every verified
+    position, scaling each position alike."""
+
+    def __init__(self):
+        super().__init__(short_tail_ratio=1.0)
+
+    def scale(self, probs, match_len, source="tree", tree_len=0, tree_match=0):
+        if not probs or probs[0] <= 0:
+            return [0.0] * len(probs)
+        cells = self._cells(len(probs), match_len, source, tree_len, tree_match)
+        first = min(1.0, self._ratio(("first", *cells[0])) * probs[0])
+        out, cond = [first], 1.0
+        for cell, q in zip(cells[1:], calibration.given_first(probs)):
+            cond = min(cond, self._ratio(("tail", *cell)) * q)
+            out.append(first * cond)
+        return out
+
+    def update(self, probs, accepted, match_len, source="tree", tree_len=0, tree_match=0):
+        if not probs:
+            return
+        cells = self._cells(len(probs), match_len, source, tree_len, tree_match)
+        self._add(("first", *cells[0]), probs[0], min(accepted, 1))
+        if accepted:
+            for i, (cell, q) in enumerate(zip(cells[1:], calibration.given_first(probs)), 1):
+                self._add(("tail", *cell), q, int(accepted > i))
+
+
+VARIANTS = {"current": Calibration, "cumulative-tail": CumulativeTail}
+
+
+def generate_outputs(model_name: str, n: int, max_tokens: int) -> Dict[str, List[Dict[str, Any]]]:
+    """Stock greedy outputs of ``n`` requests of each built-in workload."""
+    import mlx.core as mx
+    import mlx_lm
+
+    from mlx_lm_suffix.tools.bench import prompt_ids_for
+    from mlx_lm_suffix.tools.models import resolve_model
+
+    model, tokenizer = mlx_lm.load(resolve_model(model_name))
+    out: Dict[str, List[Dict[str, Any]]] = {}
+    for w in workloads.WORKLOADS:
+        out[w] = []
+        for body in workloads.build(w, n=n, max_chars=1500):
+            ids = prompt_ids_for(tokenizer, body)
+            stream = mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens)
+            out[w].append({"prompt": ids, "response": [r.token for r in stream]})
+    return out
+
+
+def replay(
+    drafter: SuffixDrafter, prompt: Sequence[int], response: Sequence[int], max_tokens: int
+) -> float:
+    """One request as the loop runs it; returns its decode forwards' summed
+    cost (the first token, from the prefill, not counted)."""
+    cost, n = drafter.policy.cost, len(response)
+    req = drafter.start(prompt)
+    total, pos, settled = 0.0, 0, False
+    while True:
+        if not settled:  # the plain forward over the token emitted now
+            total += cost(1)
+        running = not settled
+        drafter.commit(req, [response[pos]])
+        pos += 1
+        if pos >= n:
+            break
+        k = min(drafter.num_draft_tokens, max_tokens - pos - 1)
+        draft = drafter.propose(req, k) if k > 0 else Draft()
+        if draft:
+            draft = draft.truncate(drafter.policy.length(draft, running))
+        if not draft:
+            total += 0.0 if running else cost(1)
+            settled = False
+            continue
+        if running and draft.tokens[0] != response[pos]:
+            drafter.record(drafted=1, accepted=0, draft=draft)
+            settled = True
+            continue
+        total += cost(len(draft)) if running else cost(len(draft) + 1)
+        target = list(response[pos : pos + len(draft) + 1])
+        target += [-1] * (len(draft) + 1 - len(target))  # past the end: no match
+        a = min(accepted_length(draft.tokens, target), n - pos - 1)
+        drafter.record(drafted=len(draft), accepted=a, draft=draft)
+        drafter.commit(req, list(response[pos : pos + a]))
+        pos += a
+        settled = True
+    drafter.finish(req)
+    return total - cost(1)
+
+
+def speedups(
+    records: List[Dict[str, Any]],
+    curve: Dict[int, float],
+    calib: type,
+    group: int,
+    warm: bool,
+    max_tokens: int,
+) -> List[float]:
+    """Each request's estimated decode speedup (stock: one forward a token)."""
+    out = []
+    for j in range(0, len(records), group):
+        part = records[j : j + group]
+        d = SuffixDrafter(cost=VerifyCost(dict(curve), smoothing=0))
+        d.policy.calibration = calib()
+        if warm:
+            d.add_responses((None, r["response"]) for r in part)
+        for r in part:
+            c = replay(d, r["prompt"], r["response"], max_tokens)
+            out.append((len(r["response"]) - 1) / c if c > 0 else 1.0)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-f32")
+    ap.add_argument("--n", type=int, default=8, help="requests per workload")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--outputs", default="real_outputs.json", help="cache of the outputs")
+    ap.add_argument("--group", type=int, default=2, help="requests per fresh drafter")
+    args = ap.parse_args()
+    if not os.path.exists(args.outputs):
+        with open(args.outputs, "w") as f:
+            json.dump(generate_outputs(args.model, args.n, args.max_tokens), f)
+    with open(args.outputs) as f:
+        data = json.load(f)
+    print("mean (min) estimated decode speedup per request")
+    rows: List[Tuple[str, ...]] = []
+    for curve in CURVES:
+        for w, recs in data.items():
+            for warm in (False, True):
+                for name, calib in VARIANTS.items():
+                    s = speedups(recs, CURVES[curve], calib, args.group, warm, args.max_tokens)
+                    rows.append(
+                        (
+                            curve,
+                            w,
+                            "warm" if warm else "cold",
+                            name,
+                            f"{sum(s) / len(s):.3f}x ({min(s):.2f})",
+                        )
+                    )
+                    print("  ".join(f"{c:<16}" for c in rows[-1]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
