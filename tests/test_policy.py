@@ -178,12 +178,20 @@ def test_probability_scale_shortens_drafts():
     assert c.ratio(20, "tail") == pytest.approx(9 / 50)
     # Flat estimates after a short match (one continuation known) are scaled
     # down after the first token too, step by step, so a pipelined tail no
-    # longer looks sure and falls the further it goes.
+    # longer looks sure and falls the further it goes; each step a draft
+    # survived counts for the next (one of draft_weight steps).
+    w = c.draft_weight
     assert c.scale([0.5] * 3, 2) == pytest.approx(
-        [first / 2, first / 2 * tail, first / 2 * tail**2]
+        [first / 2, first / 2 * tail, first / 2 * tail * (tail * w + 1) / (w + 1)]
     )
     assert best_length([0.5] * 8, MID, pipelined=True) == 8
     assert best_length(c.scale([0.5] * 8, 2), MID, pipelined=True) == 0
+    # A new drafter's flat 64-token draft after a short match: its second
+    # token at the prior's 0.9, every later one lower, yet the steps it
+    # survived count, so its last is not 0.9 ** 63.
+    fresh = Calibration().scale([1.0] * 64, 2)
+    assert fresh[1] == pytest.approx(0.9) and all(q < p for p, q in zip(fresh[1:], fresh[2:]))
+    assert 0.2 < fresh[63] < 0.3
     ratios = c.ratios()
     assert list(ratios) == ["tree", "copy"] and list(ratios["tree"]) == ["first", "tail"]
     assert list(ratios["tree"]["first"]) == list(ratios["copy"]["tail"]) == [
@@ -219,7 +227,8 @@ def test_probability_scale_shortens_drafts():
     assert ratio == pytest.approx(_shrunk(100, steps, 100, steps, start=0.9))
     first = 0.5 * _shrunk(50, 25, 50, 25)
     assert 0.6 * ratio > 1  # a step: at most 1
-    assert b.scale([0.5, 0.3, 0.1], 5) == pytest.approx([first, first, first * ratio / 3])
+    second = (ratio * b.draft_weight + 1) / (b.draft_weight + 1)  # after one step survived
+    assert b.scale([0.5, 0.3, 0.1], 5) == pytest.approx([first, first, first * second / 3])
     assert best_length(b.scale([0.5, 0.3, 0.1], 5), MID, pipelined=True) == 3
 
     # Unverified drafts teach nothing; a first-token miss teaches the first part only.

@@ -35,9 +35,17 @@ class Calibration:
     and its scaled estimate is the product of the scaled steps so far. A
     continuation known from one occurrence has steps of 1 however far it
     goes, and text breaks away at some token along it, so a ratio below 1
-    makes such a draft's estimates fall geometrically with its length, as
-    acceptance does; a ratio of cumulative estimates would scale every
-    position alike, the 30th as the 2nd.
+    makes such a draft's estimates fall with its length, as acceptance
+    does; a ratio of cumulative estimates would scale every position alike,
+    the 30th as the 2nd. Drafts differ, though: some continue a true repeat
+    and some break soon, so each step a draft has survived is evidence that
+    it is of the first kind. Its ``j``-th step (from 0) is scaled by
+    ``(r * w + j) / (w + j)``: the cell's ratio ``r`` as the prior mean of
+    this draft's own survival, worth ``w = draft_weight`` steps, updated by
+    the ``j`` it survived (a Beta prior's posterior mean). Given its first
+    token, a flat draft at ``r = 0.9`` then reads 0.9, 0.82, 0.77, ... and
+    0.25 at its 64th token (``0.9 ** 63`` would be 0.001), and one at
+    ``r = 0.99`` keeps 0.87 there.
 
     Constants: a cell starts from the ratio of its pool (its part and
     source over the short buckets, or the long bucket alone), worth
@@ -55,8 +63,11 @@ class Calibration:
     is their own occurrence counted, and a batch, which verifies only what
     beats plain steps by a margin, would not draft repeats until it had
     learnt that. Counts are halved once a cell has seen 500 expected
-    tokens, so it keeps adapting. ``max_ratio`` bounds how far a streak of
-    full acceptances can lift a low estimate (a continuation seen once
+    tokens, so it keeps adapting. ``draft_weight`` is the best of 3, 5 and
+    10 (and of independent steps, an infinite weight) on replays of a real
+    model's own outputs and of answers that copy their prompt, which want
+    it small and large respectively. ``max_ratio`` bounds how far a streak
+    of full acceptances can lift a low estimate (a continuation seen once
     reads 0.5 and may be lifted to certainty, not beyond)."""
 
     #: Upper bounds of the match length buckets (the last is open).
@@ -73,12 +84,14 @@ class Calibration:
         max_ratio: float = 2.5,
         long_first_ratio: float = 2.0,
         short_tail_ratio: float = 0.9,
+        draft_weight: float = 5.0,
     ):
         self.prior_expected = prior_expected
         self.prior_ratio = prior_ratio
         self.max_ratio = max_ratio
         self.long_first_ratio = long_first_ratio
         self.short_tail_ratio = short_tail_ratio
+        self.draft_weight = draft_weight
         # Verified tokens' estimates and how many were accepted, per cell
         # (part, source, bucket) and per pool (part, source, long or short).
         self.expected: Dict[tuple, float] = {}
@@ -134,16 +147,18 @@ class Calibration:
     ) -> List[float]:
         """The (cumulative) estimates as probabilities for the policy: the
         first token's scaled by its cell's ratio, then each step's (its
-        estimate given the token before) by its own cell's, at most 1, and
-        multiplied along. ``source``: the draft's (:data:`SOURCES`);
+        estimate given the token before) by its own cell's as the steps
+        before it update it, at most 1, and multiplied along. ``source``: the draft's (:data:`SOURCES`);
         ``tree_len``, ``tree_match``: for a copy, how many leading tokens
         the trees drafted and from what match."""
         if not probs or probs[0] <= 0:
             return [0.0] * len(probs)
         cells = self._cells(len(probs), match_len, source, tree_len, tree_match)
         out = [min(1.0, self._ratio(("first", *cells[0])) * probs[0])]
-        for cell, step in zip(cells[1:], _steps(probs)):
-            out.append(out[-1] * min(1.0, self._ratio(("tail", *cell)) * step))
+        w = self.draft_weight
+        for j, (cell, step) in enumerate(zip(cells[1:], _steps(probs))):
+            ratio = (self._ratio(("tail", *cell)) * w + j) / (w + j)
+            out.append(out[-1] * min(1.0, ratio * step))
         return out
 
     def update(
