@@ -3,10 +3,11 @@ policy as the single-sequence loop runs them (pipelined), under fixed cost
 curves, once per calibration variant (no model needed after the outputs).
 
     python benchmarks/real_replay.py [--model smollm2-f32] [--n 8]
-        [--max-tokens 128] [--outputs FILE] [--group 2]
+        [--max-tokens 128] [--outputs FILE] [--group 2] [--reference]
 
 The outputs (stock ``stream_generate``, greedy, of the built-in workloads)
-are generated once and kept in ``--outputs``. The replay follows
+are generated once and kept in ``--outputs`` (default: a file under ``build/``
+named for the model, ``--n`` and ``--max-tokens``). The replay follows
 :func:`mlx_lm_suffix.loop.suffix_generate_step`: a plain step's forward runs
 while the next draft is chosen (pipelined) and checks the draft's first
 token; a confirmed draft is verified at ``cost(len)``; after a verification
@@ -22,9 +23,10 @@ Results: docs/choosing-defaults.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from mlx_lm_suffix.drafter import Draft, SuffixDrafter
 from mlx_lm_suffix.policy import Calibration, VerifyCost, calibration
@@ -38,6 +40,8 @@ CURVES: Dict[str, Dict[int, float]] = {
     "4bit": {1: 1.0, 2: 1.85, 6: 5.54, 13: 10.5, 24: 19.4, 457: 279.0},
     "cpu-f32": {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.6, 16: 2.3, 64: 9.0, 128: 17.0},
     "gpu": {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2, 32: 1.4, 64: 1.8, 128: 2.6},
+    # The bench model (float32, OpenBLAS) as run A learnt it.
+    "cpu-bench": {1: 1.0, 2: 1.12, 14: 2.61, 33: 3.82, 65: 6.98},
 }
 
 
@@ -70,7 +74,14 @@ class CumulativeTail(Calibration):
                 self._add(("tail", *cell), q, int(accepted > i))
 
 
-VARIANTS = {"current": Calibration, "cumulative-tail": CumulativeTail}
+VARIANTS: Dict[str, Callable[[], Calibration]] = {
+    "current": Calibration,
+    "cumulative-tail": CumulativeTail,
+    # Each tail step on its own (a survived step counting for nothing).
+    "independent-steps": functools.partial(Calibration, draft_weight=1e12),
+    "draft-weight-3": functools.partial(Calibration, draft_weight=3.0),
+    "draft-weight-10": functools.partial(Calibration, draft_weight=10.0),
+}
 
 
 def generate_outputs(model_name: str, n: int, max_tokens: int) -> Dict[str, List[Dict[str, Any]]]:
@@ -89,6 +100,24 @@ def generate_outputs(model_name: str, n: int, max_tokens: int) -> Dict[str, List
             ids = prompt_ids_for(tokenizer, body)
             stream = mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens)
             out[w].append({"prompt": ids, "response": [r.token for r in stream]})
+    return out
+
+
+def reference_answers(n: int, max_tokens: int) -> Dict[str, List[Dict[str, Any]]]:
+    """The built-in workloads' reference answers (what the scripted models
+    copy), tokenized as :mod:`mlx_lm_suffix.tools.simulate` does."""
+    from mlx_lm_suffix.tools import simulate
+
+    out = {}
+    for w in workloads.WORKLOADS:
+        logs = [
+            {"prompt": "\n".join(m["content"] for m in r["messages"]), "response": r["reference"]}
+            for r in workloads.build(w, n, max_chars=2500)
+        ]
+        out[w] = [
+            {"prompt": r.prompt, "response": r.response[:max_tokens]}
+            for r in simulate.tokenize_records(logs)
+        ]
     return out
 
 
@@ -135,7 +164,7 @@ def replay(
 def speedups(
     records: List[Dict[str, Any]],
     curve: Dict[int, float],
-    calib: type,
+    calib: Callable[[], Calibration],
     group: int,
     warm: bool,
     max_tokens: int,
@@ -159,14 +188,20 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-f32")
     ap.add_argument("--n", type=int, default=8, help="requests per workload")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--outputs", default="real_outputs.json", help="cache of the outputs")
+    ap.add_argument("--outputs", default=None, help="cache of the outputs (default: under build/)")
     ap.add_argument("--group", type=int, default=2, help="requests per fresh drafter")
+    ap.add_argument("--reference", action="store_true", help="replay the reference answers instead")
     args = ap.parse_args()
-    if not os.path.exists(args.outputs):
-        with open(args.outputs, "w") as f:
-            json.dump(generate_outputs(args.model, args.n, args.max_tokens), f)
-    with open(args.outputs) as f:
-        data = json.load(f)
+    if args.reference:
+        data = reference_answers(args.n, args.max_tokens)
+    else:
+        path = args.outputs or f"build/real_outputs-{args.model}-{args.n}-{args.max_tokens}.json"
+        if not os.path.exists(path):
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(generate_outputs(args.model, args.n, args.max_tokens), f)
+        with open(path) as f:
+            data = json.load(f)
     print("mean (min) estimated decode speedup per request")
     rows: List[Tuple[str, ...]] = []
     for curve in CURVES:
