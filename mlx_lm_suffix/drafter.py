@@ -166,9 +166,8 @@ class SuffixDrafter:
         self.max_spec_factor = _number("max_spec_factor", max_spec_factor, 0.0)
         self.max_spec_offset = _number("max_spec_offset", max_spec_offset, -1e9)
         self.min_token_prob = _number("min_token_prob", min_token_prob, 0.0, 1.0)
-        self.policy = Policy(policy, cost)
-
         self.stats = DraftStats()
+        self.policy = Policy(policy, cost, self.stats)
         self._lock = threading.RLock()
         self._ids = itertools.count()
         self._trees = SuffixTrees(
@@ -208,7 +207,6 @@ class SuffixDrafter:
             d = self.stats.as_dict()
             cost = self.policy.cost
             d.update(
-                refused=self.policy.refused,
                 probability_scale=self.policy.calibration.ratios(),
                 verify_cost=cost.relative() if cost is not None else None,
                 batch_cost_factors=cost.batch_relative() if cost is not None else None,

@@ -82,6 +82,9 @@ class DraftStats(Counters):
     #: them (recurrent state) and was fed the kept tokens again.
     replays: int = 0
     replayed_tokens: int = 0
+    #: Drafts of 2 or more tokens (a batch: steps with drafts) the policy did
+    #: not verify because verifying them would not pay.
+    refused: int = 0
     #: Sum of the trees' probability estimates over verified draft tokens.
     expected: float = 0.0
     #: Verified draft length -> number of steps.

@@ -6,6 +6,7 @@ import pytest
 from mlx_lm import load
 
 from mlx_lm_suffix.drafter import Draft, SuffixDrafter
+from mlx_lm_suffix.patches.generate import format_stats
 from mlx_lm_suffix.policy import (
     LONG_MATCH,
     Calibration,
@@ -392,6 +393,11 @@ def test_drafter_applies_policy_and_records_stats():
     assert 0 < lens[0] <= lens[2] == 20 and lens[1] == 0
     # Where nothing pays, the stats say so.
     assert [d.snapshot()["refused"] for d in (cheap, dear, fixed)] == [0, 1, 0]
+    before = dear.stats.copy()
+    _draft(dear, q)
+    line = format_stats(dear.stats.delta(before).as_dict())  # mlx_lm.generate --verbose
+    assert line.endswith("; 1 drafts not verified: they would not pay")
+    assert "not verified" not in format_stats(cheap.stats.as_dict())
     snap = fixed.snapshot()
     assert snap["lengths"] == {"4": 1} and snap["expected_acceptance_rate"] == 0.875
     with pytest.raises(ValueError, match="policy"):

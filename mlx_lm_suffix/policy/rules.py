@@ -18,6 +18,7 @@ import itertools
 import math
 from typing import Any, List, Optional, Sequence, Tuple
 
+from ..stats import DraftStats
 from .calibration import Calibration, given_first
 from .cost import VerifyCost
 
@@ -59,16 +60,20 @@ class Policy:
     too high (the curve grows at most proportionally).
     """
 
-    def __init__(self, name: str = "adaptive", cost: Optional[VerifyCost] = None):
+    def __init__(
+        self,
+        name: str = "adaptive",
+        cost: Optional[VerifyCost] = None,
+        stats: Optional[DraftStats] = None,
+    ):
         if name not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
         self.name = name
         self.cost = cost
         self.calibration = Calibration()
-        #: Drafts (of at least 2 tokens) not verified because verifying
-        #: them would not pay, in all.
-        self.refused = 0
-        self._refused = 0  # ... in a row
+        #: Where the drafts refused for their cost are counted (``refused``).
+        self.stats = stats if stats is not None else DraftStats()
+        self._refused = 0  # drafts refused for their cost in a row
 
     @property
     def cost_aware(self) -> bool:
@@ -110,7 +115,7 @@ class Policy:
             self._refused = 0
         if chosen or proposed < 2:
             return chosen
-        self.refused += 1
+        self.stats.refused += 1
         self._refused += 1
         if self._refused <= EXPLORE_AFTER:
             return 0
