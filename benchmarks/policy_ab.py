@@ -75,11 +75,11 @@ VARIANTS = {
 }
 
 
-def records(name: str, n: int) -> List[simulate.Record]:
+def records(name: str, n: int, max_chars: int = 4000) -> List[simulate.Record]:
     """Workload ``name``'s requests as replay records (prompt: the messages'
     text; response: the reference answer)."""
     out = []
-    for rec in workloads.build(name, n):
+    for rec in workloads.build(name, n, max_chars):
         prompt = "\n".join(m["content"] for m in rec["messages"])
         out.append({"prompt": prompt, "response": rec["reference"]})
     return simulate.tokenize_records(out)

@@ -105,20 +105,16 @@ def generate_outputs(model_name: str, n: int, max_tokens: int) -> Dict[str, List
 
 def reference_answers(n: int, max_tokens: int) -> Dict[str, List[Dict[str, Any]]]:
     """The built-in workloads' reference answers (what the scripted models
-    copy), tokenized as :mod:`mlx_lm_suffix.tools.simulate` does."""
-    from mlx_lm_suffix.tools import simulate
+    copy), as :func:`policy_ab.records` tokenizes them."""
+    from policy_ab import records  # this folder's, beside this script
 
-    out = {}
-    for w in workloads.WORKLOADS:
-        logs = [
-            {"prompt": "\n".join(m["content"] for m in r["messages"]), "response": r["reference"]}
-            for r in workloads.build(w, n, max_chars=2500)
-        ]
-        out[w] = [
+    return {
+        w: [
             {"prompt": r.prompt, "response": r.response[:max_tokens]}
-            for r in simulate.tokenize_records(logs)
+            for r in records(w, n, max_chars=2500)
         ]
-    return out
+        for w in workloads.WORKLOADS
+    }
 
 
 def replay(
