@@ -43,12 +43,15 @@ token ``p`` is known and nothing is computing) it drafts after ``p`` and,
 where the policy says so, feeds ``[p] + d`` in one forward instead of steps
 1-4; otherwise that draft is the one step 2 uses.
 
-Prefill comes first: mlx-lm's ``BatchGenerator._next`` runs one generation
-step, then one prefill chunk (or prompt segment) of every prompt being
-processed, so each chunk waits for one step. While the generator has such
-prompts, and in the step after rows join (it emits their first tokens),
-:meth:`~SuffixGenerationBatch.next` is the stock step alone: a request waits
-for no verification but the one running when it arrived.
+Prefill is not starved: mlx-lm's ``BatchGenerator._next`` runs one
+generation step, then one prefill chunk (or prompt segment) of every prompt
+being processed, so each chunk waits for one step. While the generator has
+such prompts, a step may take at most :data:`PREFILL_SHARE` of that chunk's
+expected prefill time longer than the stock plain step (the policy's
+``budget``): a prompt's prefill waits for no verification longer than that
+share of itself. In the step after rows join (it emits their first tokens),
+and while a budget cannot be priced (no cost curve, no prefill timed yet),
+:meth:`~SuffixGenerationBatch.next` is the stock step alone.
 
 Invariants kept between steps (the same as stock): ``self.tokens[i]`` equals
 the tokens in row ``i``'s KV cache, which are the prompt plus every emitted
@@ -87,6 +90,12 @@ logger = logging.getLogger(__name__)
 COMPACT_LEFT_PADDING = 64
 # The verifications' (start, end) times kept to time waiting requests.
 VERIFY_SPANS = 1024
+#: While prompts wait to be prefilled after a step, the step may take at most
+#: this share of their prefill chunk's expected time longer than a plain
+#: step: each chunk then waits for verification at most this share of its
+#: own time, so their time to first token stays within ``1 + PREFILL_SHARE``
+#: of what plain steps give, while rows already generating keep drafting.
+PREFILL_SHARE = 0.2
 
 
 @dataclass
@@ -148,10 +157,10 @@ class SuffixGenerationBatch(GenerationBatch):
         self._settled = False
         # The pending tokens are committed to the drafter already.
         self._pending_committed = False
-        # How many prompts the generator prefills after this step (set by
-        # SuffixBatchGenerator), and whether rows joined whose first tokens
-        # are pending: then steps are plain (see next).
-        self.prompts_waiting: Callable[[], int] = lambda: 0
+        # The seconds of prefill the generator runs after this step (None:
+        # none; set by SuffixBatchGenerator), and whether rows joined whose
+        # first tokens are pending (then the step is plain; see next).
+        self.prefill_ahead: Callable[[], Optional[float]] = lambda: None
         self._joined = False
         self._verify_spans: Deque[Tuple[float, float]] = deque(maxlen=VERIFY_SPANS)
         super().__init__(*args, **kwargs)
@@ -302,11 +311,14 @@ class SuffixGenerationBatch(GenerationBatch):
             drafts.append(self.drafter.propose(req, k) if req is not None and k > 1 else Draft())
         return drafts
 
-    def _cut(self, drafts: List[Draft], pipelined: bool = True) -> List[Draft]:
+    def _cut(
+        self, drafts: List[Draft], pipelined: bool = True, budget: Optional[float] = None
+    ) -> List[Draft]:
         """The drafts cut to the lengths the policy verifies (``pipelined``:
-        after the plain step)."""
+        after the plain step; ``budget``: seconds the step may take beyond a
+        plain step)."""
         replay = rollback.replays_rows(self.prompt_cache)
-        lengths = self.drafter.policy.batch_lengths(drafts, pipelined, replay)
+        lengths = self.drafter.policy.batch_lengths(drafts, pipelined, replay, budget)
         # Distributed: every rank verifies rank 0's drafts.
         return ranks.drafts([d.truncate(n) for d, n in zip(drafts, lengths)])
 
@@ -317,13 +329,29 @@ class SuffixGenerationBatch(GenerationBatch):
         if not self._can_draft():
             return super().next()
         joined, self._joined = self._joined, False
-        if joined or self.prompts_waiting():
-            # Prompts are prefilled after this step, or rows just joined and
-            # their first tokens are pending: the stock step, so that none of
-            # them waits for a verification (each prompt segment or chunk
-            # waits for one generation step, mlx-lm's BatchGenerator._next).
+        prefill = self.prefill_ahead()
+        policy = self.drafter.policy
+        if joined or prefill == 0.0 or (prefill is not None and not policy.cost_aware):
+            # Rows just joined and their first tokens are pending, or prompts
+            # join or are prefilled after this step and it may cost nothing
+            # more or no one knows how much: the stock step (each prompt segment or chunk waits for one
+            # generation step, mlx-lm's BatchGenerator._next).
             self.draft_stats.yield_steps += 1
             return super().next()
+        budget = None if prefill is None else PREFILL_SHARE * prefill
+        verified = self.draft_stats.verify_steps
+        responses = self._draft_step(settled, budget)
+        if budget is not None:
+            if self.draft_stats.verify_steps > verified:
+                self.draft_stats.prefill_verify_steps += 1
+            else:
+                self.draft_stats.yield_steps += 1
+        return responses
+
+    def _draft_step(self, settled: bool, budget: Optional[float]) -> List[GenerationBatch.Response]:
+        """One step that drafts (see the module docstring): ``settled``, the
+        pending tokens are known and nothing computes; ``budget``, seconds
+        the step may take beyond a plain step (None: no limit)."""
         self.drafter.policy.ensure_cost(self.model)  # adaptive policy: once per drafter
         self.drafter.policy.ensure_width(self.model, len(self.uids))
         early = None
@@ -335,7 +363,7 @@ class SuffixGenerationBatch(GenerationBatch):
             self._commit(pending)
             self._pending_committed = True
             early = self._propose(ahead=1)
-            now = self._cut(early, pipelined=False)
+            now = self._cut(early, pipelined=False, budget=budget)
             if now[0]:
                 self._pending_committed = False
                 return self._verify(pending, now, confirmed=False)
@@ -346,7 +374,7 @@ class SuffixGenerationBatch(GenerationBatch):
         responses = super().next()
         if not self.uids or not self._can_draft():
             return responses
-        drafts = self._cut(early if early is not None else self._propose())
+        drafts = self._cut(early if early is not None else self._propose(), budget=budget)
         if not any(drafts):
             return responses
         # Wait for the queued forward: its tokens check each draft's first.
@@ -358,7 +386,7 @@ class SuffixGenerationBatch(GenerationBatch):
                 self._record_miss(i, d)
                 drafts[i] = Draft()
         # The width again, for the confirmed drafts alone.
-        drafts = self._cut(drafts)
+        drafts = self._cut(drafts, budget=budget)
         if not any(drafts):
             return responses
         self._commit(nxt)
@@ -575,23 +603,46 @@ class SuffixBatchGenerator(BatchGenerator):
         batch.default_options = RowOptions(num_draft_tokens=num_draft_tokens)
         batch.max_context = context_limit(model)
         batch.draft_stats = self.draft_stats
-        batch.prompts_waiting = self._prompts_waiting
+        batch.prefill_ahead = self._prefill_ahead
         self._generation_batch = batch
 
-    def _prompts_waiting(self) -> int:
-        """How many prompts get a prefill chunk after the generation step
-        of this ``_next`` call: as mlx-lm 0.32.2's ``BatchGenerator._next``
-        decides, none when the generation batch is full, else those being
-        processed and the waiting ones it admits."""
+    def _prefill_ahead(self) -> Optional[float]:
+        """The expected seconds of the prefill that this ``_next`` call runs
+        after its generation step (:meth:`_prefill_tokens`), at the mean
+        prefill time per token so far (``0.0`` before any prefill, or when
+        the prompts only join the generation batch), or None without
+        prompts."""
+        tokens = self._prefill_tokens()
+        if tokens is None:
+            return None
+        counters = self._counters
+        return tokens * counters.prompt_time / counters.prompt_tokens if counters.prompt_tokens else 0.0
+
+    def _prefill_tokens(self) -> Optional[int]:
+        """The prompt tokens that this ``_next`` call prefills after its
+        generation step, or None if it has no prompts. As mlx-lm 0.32.2's
+        ``BatchGenerator._next`` decides: no prompts when the generation
+        batch is full, else those being processed and the waiting ones it
+        admits; the next chunk (up to ``prefill_step_size`` tokens of the
+        current segment) of each, but of those down to their last token,
+        which join the generation batch instead."""
         room = self.completion_batch_size - len(self._generation_batch)
         if room <= 0:
-            return 0
+            return None
         admitted = min(
             self.prefill_batch_size - len(self._prompt_batch),
             room,
             len(self._unprocessed_sequences),
         )
-        return len(self._currently_processing) + max(admitted, 0)
+        segments = [seq[0] for seq in self._currently_processing]
+        segments += [self._unprocessed_sequences[i][1] for i in range(max(admitted, 0))]
+        if not segments:
+            return None
+        return sum(
+            min(len(s[0]), self.prefill_step_size)
+            for s in segments
+            if not (len(s) == 1 and len(s[0]) == 1)
+        )
 
     def insert(self, prompts: List[List[int]], *args: Any, options: Any = None, **kwargs: Any):
         # Stock insert (mlx-lm 0.32.2) passes its arguments on to

@@ -141,6 +141,9 @@ class BatchDraftStats(Counters):
     #: Plain steps taken because prompts waited for prefill or rows for
     #: their first token (no verification runs then).
     yield_steps: int = 0
+    #: Verifications run while prompts waited for prefill, each within its
+    #: share of their prefill's time (``batch.PREFILL_SHARE``).
+    prefill_verify_steps: int = 0
     #: Requests timed from their arrival to the start of their generation,
     #: the seconds of that time a verification ran, summed, and the most
     #: for one request.

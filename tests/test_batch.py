@@ -375,6 +375,74 @@ def test_arriving_prompt_waits_for_no_verification(model_and_tokenizer, prompts)
     assert sum(stats.widths.values()) == stats.verify_steps
 
 
+def test_prefill_ahead_is_the_chunk_stock_prefills(model_and_tokenizer, prompts):
+    """Before every step, the prompt tokens the batch expects the generator
+    to prefill after it are the tokens stock's ``_next`` then prefills:
+    chunks of several prompts, segments, admissions limited by the prefill
+    batch, prompts down to their last token (none)."""
+    model, tokenizer = model_and_tokenizer
+    gen = _suffix_gen(
+        model, tokenizer, SuffixDrafter(policy="fixed"), prefill_step_size=16, prefill_batch_size=2
+    )
+    counters = gen._counters
+    late = prompts[5]
+    segments = [late[:7], late[7:40], late[40:]]
+    gen.insert(prompts[:3], [MAX_TOKENS] * 3)
+    checked, steps = [], 0
+    while steps == 0 or gen._generation_batch.uids or gen._unprocessed_sequences:
+        if steps == 5:
+            gen.insert_segments([segments], [MAX_TOKENS])
+            gen.insert(prompts[3:5], [MAX_TOKENS] * 2)
+        expected, before = gen._prefill_tokens() or 0, counters.prompt_tokens
+        gen.next()
+        assert counters.prompt_tokens - before == expected, steps
+        checked.append(expected)
+        steps += 1
+    gen.close()
+    assert sum(checked) == counters.prompt_tokens > 0
+    assert len([n for n in checked if n]) > 6  # chunks of 16 over several steps
+
+
+def test_verification_while_prompts_wait_within_their_share(model_and_tokenizer, prompts, monkeypatch):
+    """While prompts wait to be prefilled, the adaptive policy verifies
+    only what fits in PREFILL_SHARE of their expected prefill time beyond a
+    plain step: with no share nothing is verified then (drafting goes on
+    after), with verification almost free it is; outputs equal stock's."""
+    import mlx_lm_suffix.batch as batch_module
+
+    model, tokenizer = model_and_tokenizer
+    repeats, late = prompts[1::2], prompts[0] * 4
+    max_tokens = 3 * MAX_TOKENS
+    ref, _ = _stock_run(model, tokenizer, repeats + [late], [max_tokens] * 4)
+    counts = {}
+    for share in (0.0, 1e6):
+        monkeypatch.setattr(batch_module, "PREFILL_SHARE", share)
+        cost = VerifyCost({1: 1e-6, 256: 1.05e-6}, smoothing=0)  # nearly free
+        drafter = SuffixDrafter(policy="adaptive", cost=cost)
+        warm = _suffix_gen(model, tokenizer, drafter)
+        _run(warm, repeats, [max_tokens] * 3)  # the repeats' answers are cached
+        warm.close()
+        gen = _suffix_gen(model, tokenizer, drafter, prefill_step_size=8)
+        stats = gen.draft_stats
+        uids = gen.insert(repeats, [max_tokens] * 3)
+        out = {u: [] for u in uids}
+        while True:
+            prompt_responses, responses = gen.next()
+            for r in responses:
+                out[r.uid].append(r.token)
+            if len(uids) == 3 and stats.verify_steps:
+                uids += gen.insert([late], [max_tokens])  # while rows verify
+                out[uids[-1]] = []
+            elif not prompt_responses and not responses:
+                break
+        gen.close()
+        assert [out[u] for u in uids] == [t[:max_tokens] for t in ref]
+        counts[share] = (stats.prefill_verify_steps, stats.yield_steps, stats.verify_steps)
+    (none, yielded, verified), (some, _, _) = counts[0.0], counts[1e6]
+    assert none == 0 and yielded >= len(late) // 8 and verified > 1
+    assert some > 0
+
+
 def _rows_are_fresh_prefills(model, gen, fresh=None):
     """A check, to call after every step, that a row of ``gen``'s batch (each
     in turn) holds what a fresh prefill of its tokens gives (``fresh()``: the

@@ -356,6 +356,40 @@ def test_batch_verification_must_clearly_pay(monkeypatch):
     assert best_batch_lengths([[1.0, 1.0]] * 8, cost, pipelined=True) == [2] * 8
 
 
+def test_waiting_prompts_bound_the_step():
+    # A budget (seconds beyond a plain step) keeps widths whose step takes
+    # longer out; within it the choice is the unbounded one.
+    cost = VerifyCost({1: 1.0, 2: 1.16, 4: 1.52, 8: 1.6, 16: 1.79, 32: 2.69, 64: 4.29, 128: 7.97, 256: 15.94})
+    lengths = [36, 42, 64, 37, 42, 64, 38, 43]
+    rows = [[1.0] * n for n in lengths]
+    free = best_batch_lengths(rows, cost, pipelined=True)
+    assert best_batch_lengths(rows, cost, pipelined=True, budget=1e9) == free
+    # Pipelined, the whole verifying forward is beyond the plain step.
+    width = max(free) - 1
+    just = cost(8 * (width + 1), rows=8)
+    assert best_batch_lengths(rows, cost, pipelined=True, budget=just) == free
+    bounded = best_batch_lengths(rows, cost, pipelined=True, budget=just * 0.9)
+    k = max(bounded) - 1
+    assert 0 < k < width and cost(8 * (k + 1), rows=8) <= just * 0.9
+    assert best_batch_lengths(rows, cost, pipelined=True, budget=0.0) == [0] * 8
+    # Not pipelined (one sequence): the forward less the plain step it replaces.
+    sure = [1.0] * 32
+    n = best_length(sure, cost)
+    assert best_length(sure, cost, budget=cost(n + 1) - cost(1)) == n
+    assert 0 < best_length(sure, cost, budget=cost(9) - cost(1)) <= 8
+    assert best_length(sure, cost, budget=0.0) == 0
+    assert best_length(sure, cost, pipelined=True, budget=cost(1) * 0.5) == 0
+    # The policy: no exploring past the budget, nothing without a cost curve.
+    p = Policy("adaptive", cost)
+    d = Draft(tokens=list(range(8)), probs=[0.5] + [1e-5] * 7, match_len=1)
+    for _ in range(policy.EXPLORE_AFTER + 2):
+        assert p.batch_lengths([d, d], pipelined=True, budget=10.0) == [0, 0]
+    assert p.stats.refused == 0
+    assert Policy("fixed").batch_lengths([d, d], pipelined=True, budget=10.0) == [0, 0]
+    assert Policy("fixed").batch_lengths([d, d], pipelined=True) == [8, 8]
+    assert Policy("fixed").length(d, pipelined=False, budget=10.0) == 0
+
+
 def test_a_batch_of_one_row_is_one_sequence():
     # One rule per situation: a batch of one row takes the single-sequence
     # lengths, pipelined (the plain forward checks the first token) and

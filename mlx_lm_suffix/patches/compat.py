@@ -114,7 +114,7 @@ SIGNATURES: Dict[str, Optional[str]] = {
     "mlx_lm.server:APIHandler._set_completion_headers": "self, status_code",
 }
 
-# What SuffixBatchGenerator._prompts_waiting reads of BatchGenerator, as its
+# What SuffixBatchGenerator._prefill_ahead reads of BatchGenerator, as its
 # _next uses it (mlx-lm 0.32.2).
 _PREFILL_STATE = (
     "_generation_batch",
@@ -123,6 +123,8 @@ _PREFILL_STATE = (
     "_prompt_batch",
     "_unprocessed_sequences",
     "_currently_processing",
+    "prefill_step_size",
+    "_counters",
 )
 
 # Functions and the names they look up when they run: module globals that
@@ -132,7 +134,7 @@ LOOKUPS: Dict[str, Tuple[str, ...]] = {
     "mlx_lm.generate:generate": ("stream_generate",),
     "mlx_lm.generate:main": ("setup_arg_parser", "generate"),
     "mlx_lm.generate:GenerationBatch.next": ("_step",),
-    # batch: the generation step comes first, then prefill (_prompts_waiting)
+    # batch: the generation step comes first, then prefill (_prefill_ahead)
     "mlx_lm.generate:BatchGenerator._next": _PREFILL_STATE,
     "mlx_lm.server:main": ("argparse", "run"),
     "mlx_lm.server:ModelProvider.load": ("_load",),

@@ -99,13 +99,18 @@ class Policy:
             draft.probs, draft.match_len, draft.source, draft.tree_len, draft.tree_match
         )
 
-    def length(self, draft: Any, pipelined: bool, replay: bool = False) -> int:
+    def length(
+        self, draft: Any, pipelined: bool, replay: bool = False, budget: Optional[float] = None
+    ) -> int:
         """How many tokens of one sequence's ``draft`` to verify; ``replay``:
-        a rejection costs feeding the accepted tokens again."""
+        a rejection costs feeding the accepted tokens again; ``budget``: see
+        :meth:`batch_lengths`."""
         n = len(draft)
+        if budget is not None and not self.cost_aware:
+            return 0
         if n and self.cost_aware:
-            chosen = best_length(self.probs(draft), self.cost, pipelined, replay)
-            n = self._explore(chosen, n)
+            chosen = best_length(self.probs(draft), self.cost, pipelined, replay, budget)
+            n = chosen if budget is not None else self._explore(chosen, n)
         return 0 if pipelined and n < 2 else n
 
     def _explore(self, chosen: int, proposed: int) -> int:
@@ -123,20 +128,29 @@ class Policy:
         return 2
 
     def batch_lengths(
-        self, drafts: Sequence[Any], pipelined: bool, replay: bool = False
+        self,
+        drafts: Sequence[Any],
+        pipelined: bool,
+        replay: bool = False,
+        budget: Optional[float] = None,
     ) -> List[int]:
         """How many tokens of each row's draft to verify; ``replay``: a
         rejection costs feeding every row's kept tokens again. One row is
-        one sequence (:meth:`length`); more rows verify only pipelined."""
+        one sequence (:meth:`length`); more rows verify only pipelined.
+
+        ``budget``: the most seconds the step may take beyond a plain step,
+        because prompts wait for it (their prefill runs after it): widths
+        that would take longer are not verified, nothing is explored, and
+        without a cost curve nothing is verified."""
         if len(drafts) == 1:
-            return [self.length(drafts[0], pipelined, replay)]
+            return [self.length(drafts[0], pipelined, replay, budget)]
         lengths = [len(d) for d in drafts]
-        if not pipelined:
+        if not pipelined or (budget is not None and not self.cost_aware):
             return [0] * len(drafts)
         if self.cost_aware and any(lengths):
             probs = [self.probs(d) for d in drafts]
-            chosen = best_batch_lengths(probs, self.cost, True, replay)
-            if self._explore(max(chosen), max(lengths)) and not any(chosen):
+            chosen = best_batch_lengths(probs, self.cost, True, replay, budget)
+            if budget is None and self._explore(max(chosen), max(lengths)) and not any(chosen):
                 chosen = [min(n, 2) for n in lengths]
             lengths = chosen
         return [n if n >= 2 else 0 for n in lengths]
@@ -165,7 +179,11 @@ def expected_accepted(probs: Sequence[float], length: int) -> float:
 
 
 def best_length(
-    probs: Sequence[float], cost: VerifyCost, pipelined: bool = False, replay: bool = False
+    probs: Sequence[float],
+    cost: VerifyCost,
+    pipelined: bool = False,
+    replay: bool = False,
+    budget: Optional[float] = None,
 ) -> int:
     """Draft length maximising expected committed tokens per second for one
     sequence; ``0`` when no draft beats a plain step. ``probs``: cumulative
@@ -182,9 +200,14 @@ def best_length(
     tokens it committed (the cache went back to before the verification,
     see :func:`~mlx_lm_suffix.rollback.undo`), counted at the expected
     number of them.
+
+    ``budget``: lengths whose step would take more than this many seconds
+    beyond a plain step are not considered (pipelined, the whole verifying
+    forward comes after the plain one).
     """
     if pipelined:
-        tail = best_length(given_first(probs), cost, replay=replay)
+        rest = None if budget is None else budget - cost(1)
+        tail = best_length(given_first(probs), cost, replay=replay, budget=rest)
         return tail + 1 if tail else 0
     best, best_rate = 0, 1.0 / cost(1)
     gain = 1.0
@@ -193,6 +216,8 @@ def best_length(
         step = cost(i + 2)
         if replay:
             step += (1.0 - p) * cost(max(1, round(gain)))
+        if budget is not None and step - cost(1) > budget:
+            continue
         rate = gain / step
         if rate > best_rate:
             best, best_rate = i + 1, rate
@@ -200,7 +225,11 @@ def best_length(
 
 
 def best_batch_lengths(
-    probs: List[Sequence[float]], cost: VerifyCost, pipelined: bool = False, replay: bool = False
+    probs: List[Sequence[float]],
+    cost: VerifyCost,
+    pipelined: bool = False,
+    replay: bool = False,
+    budget: Optional[float] = None,
 ) -> List[int]:
     """Draft lengths for the rows of a batch whose forward feeds every row's
     last committed token plus its draft. The longest row sets the forward's
@@ -230,8 +259,11 @@ def best_batch_lengths(
     ``replay``: unless every row's draft is accepted in full, every row is
     fed its kept tokens again in one more forward (see
     :func:`~mlx_lm_suffix.rollback.undo_rows`), counted at the rows'
-    expected tokens."""
-    width, _ = _best_width(probs, cost, pipelined, replay)
+    expected tokens.
+
+    ``budget``: widths whose step would take more than this many seconds
+    beyond the batch's plain step are not considered."""
+    width, _ = _best_width(probs, cost, pipelined, replay, budget)
     if pipelined:
         tails = [given_first(p) for p in probs]
         return [min(len(t), width) + 1 if width and t else 0 for t in tails]
@@ -239,7 +271,11 @@ def best_batch_lengths(
 
 
 def _best_width(
-    probs: List[Sequence[float]], cost: VerifyCost, pipelined: bool, replay: bool = False
+    probs: List[Sequence[float]],
+    cost: VerifyCost,
+    pipelined: bool,
+    replay: bool = False,
+    budget: Optional[float] = None,
 ) -> Tuple[int, float]:
     """The batch width of :func:`best_batch_lengths` (of the tails, when
     ``pipelined``) and the time it saves against plain steps (0 if none
@@ -264,6 +300,8 @@ def _best_width(
             # Rows without a draft accept all of it; the others' chance.
             full = math.prod(p[min(k, len(p)) - 1] for p in probs if p)
             step += (1.0 - full) * cost(B * max(1, round((gain - sunk_tokens) / B)), rows=B)
+        if budget is not None and step - plain > budget:
+            continue
         # The time plain steps (by the margin) would take, less the step's:
         # positive exactly when the step commits tokens faster than them.
         saved = gain / ref - step
