@@ -334,8 +334,10 @@ class SuffixGenerationBatch(GenerationBatch):
         if joined or prefill == 0.0 or (prefill is not None and not policy.cost_aware):
             # Rows just joined and their first tokens are pending, or prompts
             # join or are prefilled after this step and it may cost nothing
-            # more or no one knows how much: the stock step (each prompt segment or chunk waits for one
-            # generation step, mlx-lm's BatchGenerator._next).
+            # more, or what it may cost is unknown: the stock step (each
+            # prompt segment or chunk waits for one generation step,
+            # mlx-lm's BatchGenerator._next). Deterministic on every rank:
+            # the budget itself only sizes rank 0's drafts (_cut).
             self.draft_stats.yield_steps += 1
             return super().next()
         budget = None if prefill is None else PREFILL_SHARE * prefill
