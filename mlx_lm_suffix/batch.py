@@ -51,7 +51,10 @@ expected prefill time longer than the stock plain step (the policy's
 ``budget``): a prompt's prefill waits for no verification longer than that
 share of itself. In the step after rows join (it emits their first tokens),
 and while a budget cannot be priced (no cost curve, no prefill timed yet),
-:meth:`~SuffixGenerationBatch.next` is the stock step alone.
+:meth:`~SuffixGenerationBatch.next` is the stock step alone. Requests that
+wait to be inserted (a server's queue, ``requests_waiting``) are not known
+to the generator yet: while there are any, steps verify nothing (a server
+inserts them between its runs of steps).
 
 Invariants kept between steps (the same as stock): ``self.tokens[i]`` equals
 the tokens in row ``i``'s KV cache, which are the prompt plus every emitted
@@ -161,6 +164,8 @@ class SuffixGenerationBatch(GenerationBatch):
         # none; set by SuffixBatchGenerator), and whether rows joined whose
         # first tokens are pending (then the step is plain; see next).
         self.prefill_ahead: Callable[[], Optional[float]] = lambda: None
+        # Whether requests wait to be inserted (set by SuffixBatchGenerator).
+        self.requests_waiting: Callable[[], bool] = lambda: False
         self._joined = False
         self._verify_spans: Deque[Tuple[float, float]] = deque(maxlen=VERIFY_SPANS)
         super().__init__(*args, **kwargs)
@@ -341,6 +346,12 @@ class SuffixGenerationBatch(GenerationBatch):
             self.draft_stats.yield_steps += 1
             return super().next()
         budget = None if prefill is None else PREFILL_SHARE * prefill
+        if budget is None and self.requests_waiting():
+            # Requests wait to be inserted (the server's queue): their
+            # prompts are not known yet, so the step may take nothing beyond
+            # a plain step. Only rank 0 sees the queue; the zero budget
+            # cuts its drafts, which every rank verifies (_cut).
+            budget = 0.0
         verified = self.draft_stats.verify_steps
         responses = self._draft_step(settled, budget)
         if budget is not None:
@@ -578,6 +589,9 @@ class SuffixBatchGenerator(BatchGenerator):
         options_source: Called as ``options_source(segments, all_tokens)``
             for each sequence inserted without explicit ``options``; returns
             its :class:`RowOptions` (or ``None`` for the defaults).
+        requests_waiting: Called before each step that could verify: whether
+            requests wait to be inserted (a server's queue); then the step
+            verifies nothing, as while a prompt waits with no budget.
         kwargs: As for ``BatchGenerator``.
 
     ``insert``/``insert_segments`` take an extra ``options`` argument: one
@@ -592,6 +606,7 @@ class SuffixBatchGenerator(BatchGenerator):
         num_draft_tokens: Optional[int] = None,
         options_source: Optional[Callable[[Any, Any], Optional[RowOptions]]] = None,
         stats: Optional[BatchDraftStats] = None,
+        requests_waiting: Optional[Callable[[], bool]] = None,
         **kwargs: Any,
     ):
         super().__init__(model, **kwargs)
@@ -606,6 +621,8 @@ class SuffixBatchGenerator(BatchGenerator):
         batch.max_context = context_limit(model)
         batch.draft_stats = self.draft_stats
         batch.prefill_ahead = self._prefill_ahead
+        if requests_waiting is not None:
+            batch.requests_waiting = requests_waiting
         self._generation_batch = batch
 
     def _prefill_ahead(self) -> Optional[float]:

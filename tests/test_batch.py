@@ -375,6 +375,43 @@ def test_arriving_prompt_waits_for_no_verification(model_and_tokenizer, prompts)
     assert sum(stats.widths.values()) == stats.verify_steps
 
 
+def test_requests_waiting_to_be_inserted_get_plain_steps(model_and_tokenizer, prompts):
+    """While ``requests_waiting`` says requests wait to be inserted (a
+    server's queue), the batch verifies nothing, with the fixed policy and
+    with the adaptive one; it verifies again once they are in; outputs
+    equal stock's."""
+    model, tokenizer = model_and_tokenizer
+    repeats = prompts[1::2]
+    max_tokens = 3 * MAX_TOKENS
+    ref, _ = _stock_run(model, tokenizer, repeats, [max_tokens] * 3)
+    for policy in ("fixed", "adaptive"):
+        cost = VerifyCost({1: 1e-6, 256: 1.05e-6}, smoothing=0)  # nearly free
+        drafter = SuffixDrafter(policy=policy, cost=cost if policy == "adaptive" else None)
+        warm = _suffix_gen(model, tokenizer, drafter)
+        _run(warm, repeats, [max_tokens] * 3)  # the repeats' answers are cached
+        warm.close()
+        waiting = [False]
+        gen = _suffix_gen(model, tokenizer, drafter, requests_waiting=lambda w=waiting: w[0])
+        stats = gen.draft_stats
+        uids = gen.insert(repeats, [max_tokens] * 3)
+        out = {u: [] for u in uids}
+        steps_waiting = 0
+        while gen._generation_batch.uids or not any(out.values()):
+            if stats.verify_steps == 1 and not steps_waiting:
+                waiting[0] = True
+            verified = stats.verify_steps
+            for r in gen.next()[1]:
+                out[r.uid].append(r.token)
+            if waiting[0]:
+                assert stats.verify_steps == verified, policy
+                steps_waiting += 1
+                waiting[0] = steps_waiting < 8
+        gen.close()
+        assert steps_waiting == 8, policy
+        assert stats.verify_steps > 1, policy  # drafting went on after
+        assert [out[u] for u in uids] == [t[:max_tokens] for t in ref], policy
+
+
 def test_prefill_ahead_is_the_chunk_stock_prefills(model_and_tokenizer, prompts):
     """Before every step, the prompt tokens the batch expects the generator
     to prefill after it are the tokens stock's ``_next`` then prefills:

@@ -208,6 +208,35 @@ def test_cli_flags(monkeypatch):
         assert e.value.code == 2
 
 
+def test_server_queue_reaches_the_batch(monkeypatch, tiny_model_path):
+    """A suffix server's batch generator sees whether requests wait in the
+    generation thread's queue (ResponseGenerator.requests), the queue the
+    generation loop was started with."""
+    import queue
+    from types import SimpleNamespace
+
+    from mlx_lm.generate import BatchGenerator
+
+    from mlx_lm_suffix.patches import serving
+
+    args = _parse(monkeypatch, "--model", str(tiny_model_path), "--draft", "suffix")
+    state = serving.state_for(args)
+    model, tokenizer = mlx_lm.load(str(tiny_model_path))
+    state.on_model_loaded(str(tiny_model_path), model, tokenizer, ("tiny",))
+    gen = serving.make_batch_generator(BatchGenerator, model)
+    waiting = gen._generation_batch.requests_waiting
+    assert not waiting()  # no generation loop yet
+    requests = queue.Queue()
+    loop = SimpleNamespace(cli_args=args, requests=requests, _stop=False)
+    serving.generate_restarting(loop, lambda generator: None)
+    assert not waiting()
+    requests.put(("rqueue", "request", "args"))
+    assert waiting()
+    requests.get()
+    assert not waiting()
+    gen.close()
+
+
 @pytest.mark.parametrize("launcher", [[SERVER], [sys.executable, "-m", "mlx_lm.server"]])
 def test_help_lists_the_flags(launcher):
     out = subprocess.run(

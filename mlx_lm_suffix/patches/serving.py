@@ -78,6 +78,8 @@ class ModelEntry:
     name: str  # shown in the stats: a local model's folder name, or its repo id
     drafter: Optional[SuffixDrafter]  # None: the model cannot roll back
     batch_stats: BatchDraftStats
+    # Whether requests wait in the server's queue (SuffixServing.requests_waiting).
+    requests_waiting: Callable[[], bool] = lambda: False
     persisted: bool = False
     # The model's batch generators alive (the server's generation thread).
     generators: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
@@ -107,6 +109,15 @@ class SuffixServing:
         self.num_draft_tokens = cli_args.num_draft_tokens
         self._lock = threading.RLock()
         self.entries: Dict[Tuple[Any, ...], ModelEntry] = {}
+        # The generation thread's request queue (ResponseGenerator.requests).
+        self.requests: Any = None
+
+    def requests_waiting(self) -> bool:
+        """Whether requests wait in the server's queue, not yet taken by the
+        generation thread (which inserts them into its batch between runs of
+        steps)."""
+        queue = self.requests
+        return queue is not None and not queue.empty()
 
     def on_model_loaded(self, model_path: str, model: Any, tokenizer: Any, key: Any) -> ModelEntry:
         """Register (or find again) the drafter of a model just loaded."""
@@ -142,7 +153,9 @@ class SuffixServing:
                         model_path,
                         rollback.describe(cache),
                     )
-                entry = ModelEntry(key, mid, _model_name(model_path), drafter, BatchDraftStats())
+                entry = ModelEntry(
+                    key, mid, _model_name(model_path), drafter, BatchDraftStats(), self.requests_waiting
+                )
                 self.entries[key] = entry
             # Kept on the model (modules are unhashable dicts).
             object.__setattr__(model, _MODEL_ATTR, entry)
@@ -508,6 +521,7 @@ def make_batch_generator(stock_cls: Callable[..., Any], model: Any, **kwargs: An
         entry.drafter,
         options_source=batch_row_options,
         stats=entry.batch_stats,
+        requests_waiting=entry.requests_waiting,
         **kwargs,
     )
     entry.generators.add(generator)
@@ -618,6 +632,11 @@ def generate_restarting(generator: Any, stock_generate: Callable[[Any], None]) -
     loop in distributed mode.
     """
     state = state_for(generator.cli_args)
+    if state is not None:
+        # mlx-lm 0.32.2: ResponseGenerator.requests, the Queue its HTTP
+        # handlers put requests in (none: no signal).
+        requests = getattr(generator, "requests", None)
+        state.requests = requests if hasattr(requests, "empty") else None
     if state is None or ranks.group() is not None:
         # Distributed: a loop run again on one rank would not pair its
         # collectives with the other ranks'; it ends, as stock's does.

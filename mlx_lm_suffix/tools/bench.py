@@ -351,6 +351,10 @@ class Sample:
     replays: Optional[int] = None
     replayed_tokens: Optional[int] = None
     replay_seconds: Optional[float] = None
+    #: Through a server: the prompt's tokens and those the server's prompt
+    #: cache held (``usage.prompt_tokens_details.cached_tokens``).
+    prompt_tokens: Optional[int] = None
+    cached_tokens: Optional[int] = None
 
 
 def _peak_memory() -> Optional[int]:
@@ -524,6 +528,7 @@ def summarize(
     matched = [s.matched for s in samples if s.matched is not None]
     replays = [s for s in samples if s.replays is not None]
     replay_s = [s.replay_seconds for s in replays if s.replay_seconds is not None]
+    served = [s for s in samples if s.prompt_tokens is not None]
     return {
         "requests": len(samples),
         "tokens": tokens,
@@ -544,6 +549,8 @@ def summarize(
         "replays": sum(s.replays for s in replays) if replays else None,
         "replayed_tokens": sum(s.replayed_tokens for s in replays) if replays else None,
         "replay_share": sum(replay_s) / wall if replay_s and wall > 0 else None,
+        "prompt_tokens": sum(s.prompt_tokens for s in served) if served else None,
+        "cached_prompt_tokens": sum(s.cached_tokens or 0 for s in served) if served else None,
     }
 
 
@@ -648,7 +655,11 @@ def http_generate(url: str, req: Request, max_tokens: int, timeout: float = 600.
     drafted = int(usage.get(USAGE_DRAFTED, 0) or 0)
     accepted = int(usage.get(USAGE_ACCEPTED, 0) or 0)
     steps = n - accepted if n else 0
-    return Sample(n, seconds, ttft or seconds, drafted, accepted, steps), "".join(text)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    s = Sample(n, seconds, ttft or seconds, drafted, accepted, steps)
+    s.prompt_tokens = int(usage.get("prompt_tokens", 0))
+    s.cached_tokens = int(cached or 0)
+    return s, "".join(text)
 
 
 def run_server_arms(
@@ -960,7 +971,7 @@ def format_table(report: Dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
-    return head + "\n".join(lines + replay_lines(report))
+    return head + "\n".join(lines + replay_lines(report) + prompt_cache_lines(report))
 
 
 def replay_lines(report: Dict[str, Any]) -> List[str]:
@@ -993,6 +1004,21 @@ def replay_lines(report: Dict[str, Any]) -> List[str]:
                     f"({m['replayed_tokens']} tokens){est}"
                 )
     return lines if len(lines) > 2 else []
+
+
+def prompt_cache_lines(report: Dict[str, Any]) -> List[str]:
+    """A line per server arm: the share of its prompt tokens the server's
+    prompt cache held (``--prompt-cache-size`` bounds it alike on every
+    server; a miss is prefilled whole)."""
+    lines = []
+    for name, wl in report["workloads"].items():
+        for arm, m in wl["arms"].items():
+            if m.get("prompt_tokens"):
+                lines.append(
+                    f"{name} {arm}: prompt cache held {m['cached_prompt_tokens'] / m['prompt_tokens']:.0%} "
+                    f"of {m['prompt_tokens']} prompt tokens"
+                )
+    return ["", *lines] if lines else []
 
 
 def plot(report: Dict[str, Any], path: str | os.PathLike) -> Optional[Path]:
