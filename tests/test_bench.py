@@ -254,6 +254,13 @@ def test_bench_server_arms_and_demo(tmp_path, tiny_model_path, models_dir, monke
     assert "agentic server-suffix-warm@c2: verify cost " in result.output
     stats = arms["server-suffix-warm-fixed@c2"]["server_stats"]
     assert stats["batch"]["replays"] == stats["batch"]["replayed_tokens"] == 0
+    # The servers' prompt caches: the same prompts on every arm; the warm
+    # pass repeats the cold one's, which a server's cache holds (qwen3 trims).
+    server = {a: m for a, m in arms.items() if a != "stock"}
+    assert len({m["prompt_tokens"] for m in server.values()}) == 1
+    assert all(0 <= m["cached_prompt_tokens"] < m["prompt_tokens"] for m in server.values())
+    assert all(server[f"{a}@c2"]["cached_prompt_tokens"] > 0 for a in server_arms if "warm" in a)
+    assert "agentic server-stock-warm@c2: prompt cache held " in result.output
 
     # The demo where the real model's wheel cannot be had: the random model, scripted.
     from mlx_lm_suffix.tools import gguf
