@@ -1016,7 +1016,7 @@ def prompt_cache_lines(report: Dict[str, Any]) -> List[str]:
             if m.get("prompt_tokens"):
                 lines.append(
                     f"{name} {arm}: prompt cache held {m['cached_prompt_tokens'] / m['prompt_tokens']:.0%} "
-                    f"of {m['prompt_tokens']} prompt tokens"
+                    f"of {m['prompt_tokens']:.0f} prompt tokens"
                 )
     return ["", *lines] if lines else []
 
