@@ -656,10 +656,17 @@ def http_generate(url: str, req: Request, max_tokens: int, timeout: float = 600.
     accepted = int(usage.get(USAGE_ACCEPTED, 0) or 0)
     steps = n - accepted if n else 0
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    s = Sample(n, seconds, ttft or seconds, drafted, accepted, steps)
-    s.prompt_tokens = int(usage.get("prompt_tokens", 0))
-    s.cached_tokens = int(cached or 0)
-    return s, "".join(text)
+    sample = Sample(
+        n,
+        seconds,
+        ttft or seconds,
+        drafted,
+        accepted,
+        steps,
+        prompt_tokens=int(usage.get("prompt_tokens", 0)),
+        cached_tokens=int(cached or 0),
+    )
+    return sample, "".join(text)
 
 
 def run_server_arms(
