@@ -216,7 +216,6 @@ def test_server_queue_reaches_the_batch(monkeypatch, tiny_model_path):
     from types import SimpleNamespace
 
     from mlx_lm.generate import BatchGenerator
-    from mlx_lm.server import TimeBudget
 
     from mlx_lm_suffix.patches import serving
 
@@ -228,33 +227,14 @@ def test_server_queue_reaches_the_batch(monkeypatch, tiny_model_path):
     waiting = gen._generation_batch.requests_waiting
     assert not waiting()  # no generation loop yet
     requests = queue.Queue()
-    loop = SimpleNamespace(cli_args=args, requests=requests, _stop=False, _time_budget=TimeBudget())
+    loop = SimpleNamespace(cli_args=args, requests=requests, _stop=False)
     serving.generate_restarting(loop, lambda generator: None)
     assert not waiting()
     requests.put(("rqueue", "request", "args"))
     assert waiting()
-    # The loop's run of steps ends after one step while requests are queued.
-    assert isinstance(loop._time_budget, serving.StepsUntilQueued)
-    assert len(list(loop._time_budget)) == 1
     requests.get()
     assert not waiting()
     gen.close()
-
-
-def test_runs_of_steps_end_for_queued_requests():
-    """StepsUntilQueued yields what its budget yields, and stops once
-    requests are queued, after at least one step."""
-    from mlx_lm_suffix.patches.serving import StepsUntilQueued
-
-    queued = []
-    steps = StepsUntilQueued(range(5), lambda: bool(queued))
-    assert len(list(steps)) == 5
-    queued.append(1)
-    assert len(list(steps)) == 1
-    taken = []
-    for step in StepsUntilQueued(range(5), lambda: len(taken) >= 3):
-        taken.append(step)
-    assert len(taken) == 3
 
 
 @pytest.mark.parametrize("launcher", [[SERVER], [sys.executable, "-m", "mlx_lm.server"]])

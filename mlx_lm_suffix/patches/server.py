@@ -110,8 +110,7 @@ def patch(module: ModuleType) -> Replacements:
     # mlx-lm 0.32.2 ResponseGenerator._next_request(timeout) -> (rqueue, request, args) or
     # None, and _generate() (the generation loop, which stock _run_generate
     # runs once, ending the thread at its first exception): fail the requests
-    # in flight and run the loop again. The loop's self.requests (its Queue)
-    # and self._time_budget (its runs of steps) are read if present.
+    # in flight and run the loop again.
     @functools.wraps(stock_next_request)
     def _next_request(self, timeout=None):
         item = stock_next_request(self, timeout)

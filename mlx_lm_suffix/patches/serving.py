@@ -617,31 +617,6 @@ def note_request_taken(generator: Any, item: Any) -> None:
         _in_flight(generator).add(item[0])
 
 
-class StepsUntilQueued:
-    """The generation loop's run of batch steps, ended early for queued requests.
-
-    mlx-lm 0.32.2's ``ResponseGenerator._generate`` steps its batch ``for _ in
-    self._time_budget`` (a ``TimeBudget``: about 0.5 s) and takes queued
-    requests only after that run. Answers that verification ends in the same
-    step bring their next requests at once; waiting out the run, they are
-    inserted and prefilled together, and all get their first tokens late.
-    Iterating this yields what ``budget`` yields, and stops once
-    ``waiting()`` says requests are queued, after at least one step (so the
-    batch goes on while the loop drains it for another model). Single process
-    only: distributed ranks count the budget's iterations together.
-    """
-
-    def __init__(self, budget: Any, waiting: Callable[[], bool]):
-        self.budget = budget
-        self.waiting = waiting
-
-    def __iter__(self) -> Iterator[None]:
-        for step, _ in enumerate(self.budget):
-            if step and self.waiting():
-                return
-            yield None
-
-
 def generate_restarting(generator: Any, stock_generate: Callable[[Any], None]) -> None:
     """The generation loop (``ResponseGenerator._generate``) of a suffix server.
 
@@ -654,8 +629,7 @@ def generate_restarting(generator: Any, stock_generate: Callable[[Any], None]) -
     loaded model and prompt cache). A loop that fails before taking any
     request (e.g. the model does not load), or once the server is stopping,
     raises to stock ``_run_generate``, which ends the thread; so does any
-    loop in distributed mode. Single process, its runs of batch steps end
-    early for queued requests (:class:`StepsUntilQueued`).
+    loop in distributed mode.
     """
     state = state_for(generator.cli_args)
     if state is not None:
@@ -667,9 +641,6 @@ def generate_restarting(generator: Any, stock_generate: Callable[[Any], None]) -
         # Distributed: a loop run again on one rank would not pair its
         # collectives with the other ranks'; it ends, as stock's does.
         return stock_generate(generator)
-    budget = getattr(generator, "_time_budget", None)
-    if budget is not None and not isinstance(budget, StepsUntilQueued):
-        generator._time_budget = StepsUntilQueued(budget, state.requests_waiting)
     queues = _in_flight(generator)
     while True:
         queues.clear()  # (finished requests' queues are gone or drained)
