@@ -79,7 +79,7 @@ class ModelEntry:
     drafter: Optional[SuffixDrafter]  # None: the model cannot roll back
     batch_stats: BatchDraftStats
     # Whether requests wait in the server's queue (SuffixServing.requests_waiting).
-    requests_waiting: Callable[[], bool] = lambda: False
+    requests_waiting: Callable[[], bool]
     persisted: bool = False
     # The model's batch generators alive (the server's generation thread).
     generators: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
