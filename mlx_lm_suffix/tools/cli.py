@@ -247,7 +247,7 @@ def parity_command(
 )
 @click.option(
     "--size",
-    type=click.Choice(["tiny", "small", "bench"]),
+    type=click.Choice(["tiny", "mini", "small", "bench"]),
     default="bench",
     show_default=True,
     help="Size of the local random-weight model (bench: about 200M parameters).",
@@ -420,7 +420,7 @@ def bench_command(
 )
 @click.option(
     "--size",
-    type=click.Choice(["tiny", "small", "bench"]),
+    type=click.Choice(["tiny", "mini", "small", "bench"]),
     default="small",
     show_default=True,
     help="Size of the random-weight model (with --model random, or as the fallback).",
