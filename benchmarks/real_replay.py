@@ -7,12 +7,13 @@ curves, once per calibration variant (no model needed after the outputs).
 
 The outputs (stock ``stream_generate``, greedy, of the built-in workloads)
 are generated once and kept in ``--outputs`` (default: a file under ``build/``
-named for the model, ``--n`` and ``--max-tokens``). The replay follows
-:func:`mlx_lm_suffix.loop.suffix_generate_step`: a plain step's forward runs
-while the next draft is chosen (pipelined) and checks the draft's first
-token; a confirmed draft is verified at ``cost(len)``; after a verification
-the bonus token is known and nothing runs (settled): a draft is verified
-with it at ``cost(len + 1)``, or a plain step is taken. Each ``--group``
+named for the model, ``--n`` and ``--max-tokens``). The replay is
+:func:`mlx_lm_suffix.tools.simulate.replay`, which steps a request as the
+loop does: a plain step's forward runs while the next draft is chosen
+(pipelined) and checks the draft's first token; a confirmed draft is
+verified at ``cost(len)``; after a verification the bonus token is known and
+nothing runs (settled): a draft is verified with it at ``cost(len + 1)``, or
+a plain step is taken. Each ``--group``
 requests share a fresh drafter (as the bench's cold arms do: 2 requests
 per repetition). Prints, per cost curve and workload, the mean over
 requests of the estimated decode speedup (stock's forwards / the summed
@@ -28,10 +29,9 @@ import json
 import os
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
-from mlx_lm_suffix.drafter import Draft, SuffixDrafter
+from mlx_lm_suffix.drafter import SuffixDrafter
 from mlx_lm_suffix.policy import Calibration, VerifyCost, calibration
-from mlx_lm_suffix.tools import workloads
-from mlx_lm_suffix.verification import accepted_length
+from mlx_lm_suffix.tools import simulate, workloads
 
 #: Forward cost by tokens fed, relative to a 1-token step: the 4-bit real
 #: model as this CPU's loop learnt it (a 457-token prefill chunk included),
@@ -117,43 +117,13 @@ def reference_answers(n: int, max_tokens: int) -> Dict[str, List[Dict[str, Any]]
     }
 
 
-def replay(
-    drafter: SuffixDrafter, prompt: Sequence[int], response: Sequence[int], max_tokens: int
-) -> float:
-    """One request as the loop runs it; returns its decode forwards' summed
-    cost (the first token, from the prefill, not counted)."""
-    cost, n = drafter.policy.cost, len(response)
-    req = drafter.start(prompt)
-    total, pos, settled = 0.0, 0, False
-    while True:
-        if not settled:  # the plain forward over the token emitted now
-            total += cost(1)
-        running = not settled
-        drafter.commit(req, [response[pos]])
-        pos += 1
-        if pos >= n:
-            break
-        k = min(drafter.num_draft_tokens, max_tokens - pos - 1)
-        draft = drafter.propose(req, k) if k > 0 else Draft()
-        if draft:
-            draft = draft.truncate(drafter.policy.length(draft, running))
-        if not draft:
-            total += 0.0 if running else cost(1)
-            settled = False
-            continue
-        if running and draft.tokens[0] != response[pos]:
-            drafter.record(drafted=1, accepted=0, draft=draft)
-            settled = True
-            continue
-        total += cost(len(draft)) if running else cost(len(draft) + 1)
-        target = list(response[pos : pos + len(draft) + 1])
-        target += [-1] * (len(draft) + 1 - len(target))  # past the end: no match
-        a = min(accepted_length(draft.tokens, target), n - pos - 1)
-        drafter.record(drafted=len(draft), accepted=a, draft=draft)
-        drafter.commit(req, list(response[pos : pos + a]))
-        pos += a
-        settled = True
-    drafter.finish(req)
+def replay(drafter: SuffixDrafter, prompt: Sequence[int], response: Sequence[int]) -> float:
+    """One request as the loop runs it (:func:`mlx_lm_suffix.tools.simulate.
+    replay`); returns its decode forwards' summed cost (the forward over the
+    first token, which the prefill gave, not counted)."""
+    cost = drafter.policy.cost
+    total, _ = simulate.replay(drafter, simulate.Record(list(prompt), list(response)),
+                               lambda k: cost(k + 1))
     return total - cost(1)
 
 
@@ -174,7 +144,7 @@ def speedups(
         if warm:
             d.add_responses((None, r["response"]) for r in part)
         for r in part:
-            c = replay(d, r["prompt"], r["response"], max_tokens)
+            c = replay(d, r["prompt"], r["response"][:max_tokens])
             out.append((len(r["response"]) - 1) / c if c > 0 else 1.0)
     return out
 

@@ -3,18 +3,10 @@
 :func:`suffix_generate_step` has the contract of mlx-lm's
 ``speculative_generate_step`` (it yields ``(token, logprobs, from_draft)``)
 and takes the keyword arguments of ``generate_step``, whose prefill it runs.
-
-A step is one of two kinds. Pipelined (as mlx-lm's ``generate_step``): the
-forward over the pending token is queued before the token is yielded; the
-draft after that token is then checked by the forward's own next token,
-and only a draft whose first token it confirms is verified, feeding the
-rest. Settled (after a verification, or a check that failed, the pending
-token is known and nothing computes): the draft after the pending token is
-verified together with it in one forward. :class:`~mlx_lm_suffix.policy.
-rules.Policy` decides each length (``0``: a plain step); verification
-accepts the longest matching prefix (:mod:`~mlx_lm_suffix.verification`) and
-rolls the cache back by the rejected positions (:mod:`~mlx_lm_suffix.
-rollback`).
+It steps one row through :func:`~mlx_lm_suffix.speculation.step`;
+:class:`_Single` is its driver: the model's forwards on the request's cache,
+its positions scored as stock scores them (:mod:`~mlx_lm_suffix.sampling`),
+rejected positions undone by :mod:`~mlx_lm_suffix.rollback`.
 """
 
 from __future__ import annotations
@@ -22,7 +14,6 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Generator, Hashable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -36,9 +27,11 @@ from mlx_lm.generate import (
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 
-from . import ranks, rollback
-from .drafter import Draft, SuffixDrafter
-from .verification import accepted_length
+from . import rollback, sampling, speculation
+from .drafter import SuffixDrafter
+from .policy.rules import Policy
+from .speculation import Row
+from .stats import RequestUsage
 
 Pending = Tuple[mx.array, mx.array]  # (token of shape [1], logprobs of shape [1, V])
 
@@ -71,128 +64,143 @@ def context_limit(model: nn.Module) -> Optional[int]:
     return getattr(args, "max_position_embeddings", None)
 
 
-@dataclass
-class _Sequence:
-    """What one generation carries from step to step, and the operations its
-    steps share."""
+class _Single:
+    """The driver of one sequence (:class:`~mlx_lm_suffix.speculation.
+    Driver`). Between steps the cache holds the prompt and every emitted
+    token, as stock's does; ``out`` holds the emitted tokens not yielded
+    yet, with their logprobs and whether they were drafted."""
 
-    model: nn.Module
-    cache: List[Any]
-    drafter: SuffixDrafter
-    req: int
-    sampler: Sampler
-    logits_processors: Optional[List[LogitsProcessor]]
-    kv_quantization: Tuple[int, int, Optional[int]]  # start, group size, bits
-    history: mx.array  # tokens in the cache, for logits processors
-    limit: float  # tokens to generate
-    num_draft_tokens: int  # 0: no drafting
-    ctx_limit: Optional[int]
-    emitted: int = 0
+    def __init__(
+        self,
+        model: nn.Module,
+        cache: List[Any],
+        row: Row,
+        policy: Policy,
+        sampler: Sampler,
+        processors: Optional[List[LogitsProcessor]],
+        kv_quantization: Tuple[int, int, Optional[int]],  # start, group size, bits
+        history: mx.array,
+        ctx_limit: Optional[int],
+        first: Pending,
+    ):
+        self.model, self.cache, self.policy = model, cache, policy
+        self.rows = [row]
+        self.sampler, self.processors = sampler, processors
+        self.kv_quantization = kv_quantization
+        self.history = history  # the tokens in the cache, for logits processors
+        self.ctx_limit = ctx_limit
+        self.y, self.logprobs = first  # the pending token
+        self.out: List[Tuple[int, mx.array, bool]] = []
+        # The last verification: until keep(), what it fed and sampled;
+        # after, what taking back its emitted tokens needs.
+        self._verified: Any = None
+        # When the last plain step's token was ready (None: the next plain
+        # step follows something else, so it is not timed).
+        self.plain_at: Optional[float] = None
 
-    def forward(self, inputs: mx.array) -> Pending:
-        """Feed ``inputs`` (1-D) and sample the token after each position;
-        logits processors run position by position over the tokens so far."""
+    def forward(self, inputs: mx.array) -> Tuple[mx.array, mx.array, Any]:
+        """Feed ``inputs`` (1-D): each position's sampled token and
+        logprobs, scored as stock's steps score them, and the random states
+        of the draws (:func:`~mlx_lm_suffix.sampling.sample`)."""
         logits = self.model(inputs[None], cache=self.cache)[0]
         maybe_quantize_kv_cache(self.cache, *self.kv_quantization)
-        if self.logits_processors:
-            rows = []
-            for j in range(inputs.size):
-                tokens = mx.concatenate([self.history, inputs[: j + 1]])
-                row = logits[j : j + 1]
-                for processor in self.logits_processors:
-                    row = processor(tokens, row)
-                rows.append(row)
-            logits = mx.concatenate(rows)
+        if self.processors:
+            logits = sampling.process(self.processors, self.history, inputs, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return self.sampler(logprobs), logprobs
-
-    def queue(self, tokens: mx.array) -> Pending:
-        """:meth:`forward`, evaluated asynchronously."""
-        out = self.forward(tokens)
-        mx.async_eval(*out)
-        return out
+        y, states = sampling.sample(self.sampler, logprobs)
+        return y, logprobs, states
 
     def fed(self, tokens: mx.array) -> None:
         """``tokens`` are in the cache now."""
-        if self.logits_processors:
+        if self.processors:
             self.history = mx.concatenate([self.history, tokens])
 
-    def emit(self, token: int) -> None:
-        self.drafter.commit(self.req, [token])
-        self.emitted += 1
+    # ------------------------------------------------------------- Driver
+    def pending(self) -> List[int]:
+        self.plain_at = None
+        return [self.y.item()]
 
-    def draft(self, pipelined: bool) -> Draft:
-        """The draft to verify after the last emitted token, as long as the
-        policy decides (empty: a plain step). Settled (not ``pipelined``),
-        the verification feeds the pending token too."""
-        if not self.num_draft_tokens:
-            return Draft()
-        room = rollback.room(self.cache, self.ctx_limit) - (not pipelined)
-        k = int(min(self.num_draft_tokens, self.limit - self.emitted - 1, room))
-        if k <= 0:
-            return Draft()
-        draft = Draft() if ranks.following() else self.drafter.propose(self.req, k)
-        if draft:
-            dear = rollback.replays(self.cache, len(draft) + 1)
-            draft = draft.truncate(self.drafter.policy.length(draft, pipelined, dear))
-        # Distributed: every rank verifies rank 0's draft.
-        return ranks.drafts([draft])[0]
+    def plain(self) -> None:
+        tok, logprobs = self.y, self.logprobs
+        self.y, self.logprobs, _ = self.forward(tok)
+        mx.async_eval(self.y, self.logprobs)
+        t = tok.item()
+        ready = time.perf_counter()
+        if self.plain_at is not None:
+            # From one plain step's token to the next's, the consumer's time
+            # excluded (the generator moves plain_at past it): a plain
+            # step's wall time, as a verification's is its forward's.
+            self.policy.observe(1, ready - self.plain_at)
+        self.plain_at = ready
+        self.fed(tok)
+        self.out.append((t, logprobs[0], False))
+        self.rows[0].stepped(t)
 
-    def undo(self, saved: rollback.Checkpoint, n: int, rejected: int, kept: mx.array) -> int:
+    def verify(self, inputs: List[List[int]]) -> List[List[int]]:
+        self.plain_at = None
+        tokens = mx.array(inputs[0], mx.uint32)
+        saved = rollback.checkpoint(self.cache)
+        tic = time.perf_counter()
+        y, logprobs, states = self.forward(tokens)
+        targets = y.tolist()
+        self.policy.observe(tokens.size, time.perf_counter() - tic)
+        self._verified = (saved, tokens, logprobs, targets, states)
+        return [targets]
+
+    def keep(self, accepted: List[int], first: List[int]) -> None:
+        a, first = accepted[0], first[0]
+        saved, tokens, logprobs, targets, states = self._verified
+        kept = tokens[: a + 1]
+        since = self._undo(saved, tokens.size, tokens.size - a - 1, kept)
+        sampling.rewind(states, a + 1)
+        self.fed(kept)
+        emitted = kept.tolist()
+        self.out.append((emitted[0], self.logprobs[0], bool(first)))
+        self.out.extend((emitted[j], logprobs[j - 1], True) for j in range(1, a + 1))
+        self.rows[0].emit(emitted, drafted=a + first)
+        self.y, self.logprobs = mx.array([targets[a]], mx.uint32), logprobs[a : a + 1]
+        self._verified = (saved, since, kept)
+
+    def room(self) -> float:
+        return rollback.room(self.cache, self.ctx_limit)
+
+    def replays(self, width: int) -> bool:
+        return rollback.replays(self.cache, width)
+
+    # --------------------------------------------------------------------
+    def _undo(self, saved: rollback.Checkpoint, n: int, rejected: int, kept: mx.array) -> int:
         """Drop the last ``rejected`` of the ``n`` positions fed since
         ``saved``; where the cache went back to ``saved``, feed ``kept``
         (the rest) again. Returns the positions now in the cache since."""
         if rollback.undo(self.cache, saved, n, rejected):
-            self.model(kept[None], cache=self.cache)
-            self.drafter.record_replay(kept.size)
+            if kept.size:
+                self.model(kept[None], cache=self.cache)
+            self.rows[0].replayed(kept.size)
             return kept.size
         return n - rejected
 
-
-def _verify(
-    seq: _Sequence, t: int, checked: Optional[Pending], draft: Draft
-) -> Generator[Tuple[int, mx.array, bool], None, Pending]:
-    """The verify step: one forward over ``draft`` and yield the tokens it
-    accepts; returns the pending token after them. Pipelined (``checked``:
-    the forward after ``t``, whose token confirmed the draft's first), it
-    feeds the rest of the draft; settled, ``t`` and the draft. The cache
-    holds exactly the yielded tokens when the caller stops in between."""
-    tokens = draft.tokens if checked is not None else [t] + draft.tokens
-    inputs = mx.array(tokens, mx.uint32)
-    saved = rollback.checkpoint(seq.cache)
-    tic = time.perf_counter()
-    out, logprobs = seq.forward(inputs)
-    targets = out.tolist()
-    seq.drafter.policy.observe(inputs.size, time.perf_counter() - tic)
-    if checked is not None:
-        targets = [draft.tokens[0]] + targets
-        logprobs = mx.concatenate([checked[1], logprobs])
-    k = len(draft)
-    a = accepted_length(draft.tokens, targets)
-    kept = inputs[: inputs.size - (k - a)]
-    # In the cache since the checkpoint: what the forward fed, or after a
-    # restore, the accepted tokens fed again.
-    since = seq.undo(saved, inputs.size, k - a, kept)
-    seq.fed(kept)
-    seq.drafter.record(drafted=k, accepted=a, draft=draft)
-    for i in range(a):
-        seq.emit(draft.tokens[i])
-        try:
-            yield draft.tokens[i], logprobs[i], True
-        except GeneratorExit:
-            unyielded = a - 1 - i
-            if unyielded:
-                seq.undo(saved, since, unyielded, kept[: kept.size - unyielded])
-            raise
-    return mx.array([targets[a]], mx.uint32), logprobs[a : a + 1]
+    def take_back(self, unyielded: List[Tuple[int, mx.array, bool]]) -> None:
+        """The consumer stopped before the ``unyielded`` emitted tokens:
+        they leave the cache (they are the last verification's) and the
+        row's counts."""
+        n = len(unyielded)
+        if n:
+            saved, since, kept = self._verified
+            self._undo(saved, since, n, kept[: kept.size - n])
+            self.rows[0].take_back(n, sum(d for _, _, d in unyielded))
 
 
 def _prefill(
-    seq: _Sequence,
+    model: nn.Module,
+    cache: List[Any],
     prompt: mx.array,
+    sampler: Sampler,
+    processors: Optional[List[LogitsProcessor]],
+    kv_quantization: Tuple[int, int, Optional[int]],
     stream: mx.Stream,
     prefill_step_size: int,
     progress: Optional[Callable[[int, int], None]],
+    policy: Optional[Policy],
 ) -> Pending:
     """The prompt into the cache by mlx-lm's own ``generate_step`` (with
     ``max_tokens=0`` it runs the prefill and the first step, and yields
@@ -201,14 +209,14 @@ def _prefill(
     Each prefill chunk is a forward over many tokens that generation takes
     anyway: ``generate_step`` evaluates the cache after each chunk, then
     reports progress, so the time between two reports is a chunk's forward,
-    and the policy's cost curve gets a chunk of at least
+    and ``policy``'s cost curve gets a chunk of at least
     :data:`PREFILL_POINT_TOKENS` as a point (:meth:`VerifyCost.observe`):
     past the widths verified so far the curve then grows towards it instead
     of extrapolating its first segment."""
     first: List[mx.array] = []
 
-    def sampler(logprobs: mx.array) -> mx.array:
-        first[:] = [seq.sampler(logprobs), logprobs]
+    def keep_first(logprobs: mx.array) -> mx.array:
+        first[:] = [sampler(logprobs), logprobs]
         return first[0]
 
     last: List[float] = []  # (tokens, time) of the last report
@@ -218,28 +226,67 @@ def _prefill(
         # A chunk (not the last report, which follows the first step) wide
         # enough that the forward's own work dominates, as a verification's.
         if last and done - last[0] >= PREFILL_POINT_TOKENS and done < total:
-            seq.drafter.policy.observe(int(done - last[0]), now - last[1])
+            policy.observe(int(done - last[0]), now - last[1])
         last[:] = [done, now]
         if progress is not None:
             progress(done, total)
 
-    start, group_size, bits = seq.kv_quantization
+    start, group_size, bits = kv_quantization
     for _ in generate_step(
         prompt,
-        seq.model,
+        model,
         stream,
         max_tokens=0,
-        sampler=sampler,
-        logits_processors=seq.logits_processors,
-        prompt_cache=seq.cache,
+        sampler=keep_first,
+        logits_processors=processors,
+        prompt_cache=cache,
         prefill_step_size=prefill_step_size,
         kv_bits=bits,
         kv_group_size=group_size,
         quantized_kv_start=start,
-        prompt_progress_callback=timed if seq.num_draft_tokens else progress,
+        prompt_progress_callback=timed if policy is not None else progress,
     ):
         pass
     return first[0], first[1]
+
+
+def _draft_limit(drafter: SuffixDrafter, model: nn.Module, cache: List[Any],
+                 num_draft_tokens: Optional[int]) -> int:
+    """A request's most draft tokens a step: ``num_draft_tokens`` (default:
+    the drafter's), or 0 where its cache cannot roll back (one warning);
+    the first that drafts measures the verification cost."""
+    if num_draft_tokens is None:
+        num_draft_tokens = drafter.num_draft_tokens
+    if num_draft_tokens < 0:
+        raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+    if num_draft_tokens > 0 and not rollback.supports(cache):
+        warn_no_rollback(model, cache)
+        num_draft_tokens = 0
+    if num_draft_tokens > 0:
+        drafter.policy.ensure_cost(model)
+    return num_draft_tokens
+
+
+def _run(driver: _Single, limit: float) -> Generator[Tuple[int, mx.array, bool], None, None]:
+    """Step the driver's row until it has emitted ``limit`` tokens, yielding
+    each emitted token; a consumer that stops takes back what it was not
+    given (:meth:`_Single.take_back`)."""
+    row, settled = driver.rows[0], False
+    while row.emitted < limit:
+        before = row.emitted
+        settled = speculation.step(driver, settled)
+        out, driver.out = driver.out, []
+        for i, item in enumerate(out):
+            try:
+                yielded = time.perf_counter()
+                yield item
+            except GeneratorExit:
+                driver.take_back(out[i + 1 :])
+                raise
+            if driver.plain_at is not None:
+                driver.plain_at += time.perf_counter() - yielded
+        if before // 256 != row.emitted // 256:
+            mx.clear_cache()
 
 
 def suffix_generate_step(
@@ -261,6 +308,7 @@ def suffix_generate_step(
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     draft_prompt: Optional[Sequence[int]] = None,
     draft_scope: Hashable = None,
+    draft_usage: Optional[RequestUsage] = None,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Generate tokens with suffix drafting and greedy (or sampled) verification.
 
@@ -274,6 +322,7 @@ def suffix_generate_step(
         draft_prompt: The whole prompt for the request's own suffix tree when
             ``prompt`` is only its uncached tail (default: ``prompt``).
         draft_scope: The drafter's cache partition (e.g. a user id).
+        draft_usage: The request's counts, updated as it generates.
         Other arguments: as for ``mlx_lm.generate.generate_step``.
 
     Yields:
@@ -281,97 +330,22 @@ def suffix_generate_step(
     """
     if len(prompt) == 0:
         raise ValueError("The prompt must contain at least one token.")
-    if num_draft_tokens is None:
-        num_draft_tokens = drafter.num_draft_tokens
-    if num_draft_tokens < 0:
-        raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
     limit = max_tokens if max_tokens >= 0 else math.inf
     if limit == 0:
         return
-
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, max_kv_size)
-    if num_draft_tokens > 0 and not rollback.supports(cache):
-        warn_no_rollback(model, cache)
-        num_draft_tokens = 0
-    policy = drafter.policy
-    if num_draft_tokens > 0:
-        policy.ensure_cost(model)
-    prompt = prompt.astype(mx.uint32)
+    num_draft_tokens = _draft_limit(drafter, model, cache, num_draft_tokens)
+    prompt, sampler = prompt.astype(mx.uint32), sampler or greedy_sampler
+    kv_quantization = (quantized_kv_start, kv_group_size, kv_bits)
     req = drafter.start(prompt.tolist() if draft_prompt is None else draft_prompt, draft_scope)
-    seq = _Sequence(
-        model,
-        cache,
-        drafter,
-        req,
-        sampler or greedy_sampler,
-        logits_processors,
-        (quantized_kv_start, kv_group_size, kv_bits),
-        prompt,
-        limit,
-        num_draft_tokens,
-        context_limit(model),
-    )
-    # Whether the last yielded token is in the cache (a close after a
-    # settled step feeds it, as generate_step leaves it).
-    in_cache, failed = True, False
+    row = Row(drafter, req, num_draft_tokens, limit, draft_usage or RequestUsage())
     with mx.stream(stream):
         try:
-            pending = _prefill(seq, prompt, stream, prefill_step_size, prompt_progress_callback)
-            settled = False
-            # When the token of a pipelined plain step was ready, the
-            # consumer's time after it excluded.
-            plain_at = None
-            while True:
-                tok, logprobs = pending
-                # Pipelined: queue the next forward before syncing on this one.
-                nxt = None if settled else seq.queue(tok)
-                t = tok.item()
-                ready = time.perf_counter()
-                if plain_at is not None:
-                    # From one token to the next of pipelined plain steps:
-                    # a plain step's wall time, as a verification's is its
-                    # forward's (one queued after the settled step would
-                    # count two forwards on a backend that computes while
-                    # queueing, as the CPU's).
-                    policy.observe(1, ready - plain_at)
-                    plain_at = None
-                if not settled:
-                    drafter.record()  # the plain step that gave t
-                seq.emit(t)
-                in_cache = nxt is not None
-                yield t, logprobs[0], False
-                consumer = time.perf_counter() - ready
-                if seq.emitted >= limit:
-                    break
-                if seq.emitted % 256 == 0:
-                    mx.clear_cache()
-
-                draft = seq.draft(pipelined=nxt is not None)
-                if not draft:  # the plain step
-                    if nxt is None:
-                        nxt = seq.queue(tok)
-                        in_cache = True
-                    else:
-                        plain_at = ready + consumer
-                    seq.fed(tok)
-                    pending, settled = nxt, False
-                    continue
-                if nxt is not None:
-                    # t is in the cache and nxt's token follows it: the check.
-                    seq.fed(tok)
-                    if nxt[0].item() != draft.tokens[0]:
-                        drafter.record(drafted=1, accepted=0, draft=draft)
-                        pending, settled = nxt, True
-                        continue
-                    drafter.record()  # the pipelined step that checked it
-                in_cache = True  # the verification feeds t where nxt did not
-                pending = yield from _verify(seq, t, nxt, draft)
-                settled = True
-        except Exception:
-            failed = True
-            raise
+            first = _prefill(model, cache, prompt, sampler, logits_processors, kv_quantization,
+                             stream, prefill_step_size, prompt_progress_callback,
+                             drafter.policy if num_draft_tokens else None)
+            driver = _Single(model, cache, row, drafter.policy, sampler, logits_processors,
+                             kv_quantization, prompt, context_limit(model), first)
+            yield from _run(driver, limit)
         finally:
-            if not in_cache and not failed:
-                seq.forward(pending[0])
-                mx.eval([c.state for c in cache])
             drafter.finish(req)

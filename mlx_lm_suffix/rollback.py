@@ -128,24 +128,36 @@ def undo(cache: List[Any], saved: Checkpoint, fed: int, rejected: int) -> int:
 
 
 def room(cache: List[Any], limit: Optional[int] = None) -> float:
-    """How many more positions a single-sequence cache can be fed and still
-    be rolled back, within the context ``limit``."""
+    """How many more positions a cache (one sequence's, or a batch's) can
+    take and still be rolled back, within the context ``limit`` (a batch:
+    its longest row's)."""
     layers = _layers(cache)
     n = min(
         (c.max_size - c.offset - 1 for c in layers if type(c) is _cache.RotatingKVCache and c.keep),
         default=math.inf,
     )
-    offsets = [c.offset for c in layers if isinstance(getattr(c, "offset", None), int)]
-    if limit is not None and offsets:
-        n = min(n, limit - max(offsets))
+    if limit is not None:
+        if any(type(c) in BATCH for c in layers):
+            longest = batch_length_bound(cache)
+        else:
+            offsets = [c.offset for c in layers if isinstance(getattr(c, "offset", None), int)]
+            longest = max(offsets, default=None)
+        if longest is not None:
+            n = min(n, limit - longest)
     return n
 
 
 def replays(cache: List[Any], n: int) -> bool:
     """Whether a rejection after feeding ``n`` more positions may cost
-    feeding the accepted tokens again (:func:`undo`)."""
-    kinds = [(SINGLE.get(type(c)), c) for c in _layers(cache)]
-    return any(k == RESTORE or (k == EITHER and c.offset + n >= c.max_size) for k, c in kinds)
+    feeding the kept tokens again (:func:`undo`, :func:`undo_rows`): a
+    layer restores, or a single sequence's window would wrap."""
+    for c in _layers(cache):
+        kind = SINGLE.get(type(c)) or BATCH.get(type(c))
+        if kind == RESTORE:
+            return True
+        if type(c) is _cache.RotatingKVCache and c.offset + n >= c.max_size:
+            return True
+    return False
 
 
 def describe(cache: List[Any]) -> str:
@@ -256,16 +268,24 @@ def replay_rows(model: Any, cache: List[Any], tokens: Sequence[Sequence[int]]) -
             _finalize(c)
 
 
-def replays_rows(cache: List[Any]) -> bool:
-    """Whether a rejection in a batch may cost feeding the kept tokens
-    again (a layer restores: :func:`undo_rows`)."""
-    return any(BATCH.get(type(c)) == RESTORE for c in _layers(cache))
-
-
 def kv_rows(cache: List[Any]) -> List[Any]:
     """The ``BatchKVCache`` layers of a batch cache (rolled rows leave left
     padding there)."""
     return [c for c in _layers(cache) if type(c) is _cache.BatchKVCache]
+
+
+def compact(cache: List[Any], rows: int, min_padding: int) -> bool:
+    """Drop the left padding every row of a batch cache shares, once it is
+    at least ``min_padding`` (uneven rollbacks add it to the
+    ``BatchKVCache`` layers, and their ``filter`` drops it; a copy of the
+    cache, so not every step). Returns whether it did."""
+    padded = kv_rows(cache)
+    if not padded or min(padded[0].left_padding.tolist()) < min_padding:
+        return False
+    keep = list(range(rows))
+    for c in cache:
+        c.filter(keep)
+    return True
 
 
 def batch_length_bound(cache: List[Any]) -> Optional[int]:

@@ -78,8 +78,9 @@ class DraftStats(Counters):
     drafted: int = 0
     accepted: int = 0
     tokens: int = 0
-    #: Verifications after which the cache went back to its state before
-    #: them (recurrent state) and was fed the kept tokens again.
+    #: Verifications after which a request's cache went back to its state
+    #: before them (recurrent state) and was fed its kept tokens again (a
+    #: batch's replay counts once per row).
     replays: int = 0
     replayed_tokens: int = 0
     #: Drafts of 2 or more tokens (a batch: steps with drafts) the policy did
@@ -111,11 +112,16 @@ class DraftStats(Counters):
 
 @dataclass
 class RequestUsage(Counters):
-    """One request's counts, updated by the generation thread."""
+    """One request's counts, filled by the same code on every path
+    (:class:`~mlx_lm_suffix.speculation.Row`): draft tokens verified, those
+    accepted and emitted, target forwards, and replays (see
+    :class:`DraftStats`)."""
 
     drafted: int = 0
     accepted: int = 0
     steps: int = 0
+    replays: int = 0
+    replayed_tokens: int = 0
 
 
 @dataclass
@@ -150,6 +156,30 @@ class BatchDraftStats(Counters):
     waited_requests: int = 0
     verify_wait_s: float = 0.0
     max_verify_wait_s: float = 0.0
+
+    def count_verification(self, width: int, emitted: Sequence[Sequence[int]],
+                           accepted: Sequence[int], replayed: bool, pipelined: bool) -> None:
+        """A verification ``width`` tokens wide whose rows accepted
+        ``accepted`` draft tokens and emitted ``emitted`` (fewer where a row
+        finished in them); ``replayed``: every row was fed its emitted
+        tokens again."""
+        rows, kept = len(emitted), [len(e) for e in emitted]
+        self.verify_steps += 1
+        self.unpipelined_steps += not pipelined
+        self.replays += replayed
+        self.replayed_tokens += sum(kept) if replayed else 0
+        self.verify_rows += rows
+        self.max_batch_size = max(self.max_batch_size, rows)
+        self.max_verify_batch_size = max(self.max_verify_batch_size, rows)
+        self.uneven_rollbacks += len(set(kept)) > 1 and not replayed
+        self.finish_trims += sum(k < 1 + a for k, a in zip(kept, accepted))
+        self.widths[width] = self.widths.get(width, 0) + 1
+
+    def count_wait(self, seconds: float) -> None:
+        """A request waited ``seconds`` behind verifications."""
+        self.waited_requests += 1
+        self.verify_wait_s += seconds
+        self.max_verify_wait_s = max(self.max_verify_wait_s, seconds)
 
     def as_dict(self) -> Dict[str, Any]:
         d = super().as_dict()

@@ -724,3 +724,21 @@ def test_recurrent_batch_drafts_and_equals_stock():
         assert all(f.all_tokens == p + t for p, t, f in zip(prompts, tokens, finished))
     assert stats.verify_steps > 0 and stats.replays > 0
     assert 0 < drafter.stats.accepted < drafter.stats.drafted
+
+
+def test_batched_replays_count_per_request_and_in_the_drafter(tiny_family_path, prompts):
+    """On a hybrid model (Qwen3.5: recurrent layers) a batch's rejection
+    sends every row back and feeds each its kept tokens again: each row
+    counts that replay in its own usage, and the drafter's snapshot is the
+    sum over the rows (one stats record per request on every path)."""
+    model, tokenizer = load(str(tiny_family_path("qwen3_5")))
+    model.set_dtype(mx.float32)
+    drafter, stats = SuffixDrafter(policy="fixed", num_draft_tokens=8), BatchDraftStats()
+    usages = [RequestUsage() for _ in prompts]
+    gen = _suffix_gen(model, tokenizer, drafter, stats=stats)
+    _run(gen, prompts, [MAX_TOKENS] * len(prompts), options=[RowOptions(usage=u) for u in usages])
+    gen.close()
+    assert stats.replays > 0
+    snap = drafter.snapshot()
+    assert snap["replays"] == sum(u.replays for u in usages) >= stats.replays
+    assert snap["replayed_tokens"] == sum(u.replayed_tokens for u in usages) == stats.replayed_tokens

@@ -88,8 +88,8 @@ def test_supported_kinds():
     assert not rollback.supports_batch([KVCache()])
     # The policy counts a replay only where a layer restores.
     window = BatchRotatingKVCache(4, [0])
-    assert not rollback.replays_rows([BatchKVCache([0]), window])
-    assert rollback.replays_rows([window, ArraysCache(1)])
+    assert not rollback.replays([BatchKVCache([0]), window], 16)
+    assert rollback.replays([window, ArraysCache(1)], 2)
     assert rollback.describe([KVCache(), _Opaque()]) == "_Opaque"
 
 

@@ -224,7 +224,7 @@ def test_server_queue_reaches_the_batch(monkeypatch, tiny_model_path):
     model, tokenizer = mlx_lm.load(str(tiny_model_path))
     state.on_model_loaded(str(tiny_model_path), model, tokenizer, ("tiny",))
     gen = serving.make_batch_generator(BatchGenerator, model)
-    waiting = gen._generation_batch.requests_waiting
+    waiting = gen.requests_waiting
     assert not waiting()  # no generation loop yet
     requests = queue.Queue()
     loop = SimpleNamespace(cli_args=args, requests=requests, _stop=False)

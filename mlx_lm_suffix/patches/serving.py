@@ -566,34 +566,17 @@ def single_stream_generate(
         return stream_generate(
             model, tokenizer, prompt, max_tokens=max_tokens, draft_model=draft_model, **kwargs
         )
-    drafter = entry.drafter
     kwargs = dict(kwargs)
     kwargs.pop("input_embeddings", None)
     kwargs.update(
         num_draft_tokens=info.num_draft_tokens,
         draft_prompt=full,
         draft_scope=info.scope,
+        draft_usage=info.usage,
     )
-    gen = stream_generate(
-        model, tokenizer, prompt, max_tokens=max_tokens, draft_model=drafter, **kwargs
+    return stream_generate(
+        model, tokenizer, prompt, max_tokens=max_tokens, draft_model=entry.drafter, **kwargs
     )
-    return _count_usage(gen, drafter, info.usage)
-
-
-def _count_usage(gen: Iterator[Any], drafter: SuffixDrafter, usage: RequestUsage):
-    # The server serves single requests one at a time: the drafter's
-    # counters move for this request only.
-    drafted0, steps0 = drafter.stats.drafted, drafter.stats.steps
-    try:
-        for response in gen:
-            usage.accepted += bool(response.from_draft)
-            usage.drafted = drafter.stats.drafted - drafted0
-            usage.steps = drafter.stats.steps - steps0
-            yield response
-    finally:
-        close = getattr(gen, "close", None)
-        if close is not None:
-            close()
 
 
 # -------------------------------------------------------------- failures

@@ -7,19 +7,16 @@ accepted exactly as far as it equals the response. This measures what the
 suffix trees would predict on a real workload and picks the drafting knobs
 for ``mlx_lm.server --draft suffix``.
 
-The replay follows :func:`mlx_lm_suffix.loop.suffix_generate_step`:
-
-- the first response token comes from the prompt's forward, without a draft;
-- every later step drafts at most ``num_draft_tokens`` tokens and never past
-  the last response token (at most ``remaining - 1``), accepts the longest
-  prefix equal to the response, and commits it plus one corrected token;
-- a *step* is one target forward over the last token plus the draft. The real
-  loop's pipelining when it switches from plain decoding to drafting is not
-  modelled;
-- with ``policy="adaptive"`` (the default, as in the server) each draft is cut
-  by the cost-aware policy of :mod:`mlx_lm_suffix.policy`, which learns its
-  calibration from the replayed steps and weighs them with the cost curve
-  given (measured or assumed); ``"fixed"`` drafts as long as the limits let.
+The replay steps each request through the same code as the single-sequence
+loop (:func:`mlx_lm_suffix.speculation.step`), with the logged response
+playing the model (:func:`replay`): pipelined plain steps whose forward
+checks a draft's first token, verifications of confirmed drafts, settled
+verifications of the pending token with a draft, the same caps and the same
+policy. With ``policy="adaptive"`` (the default, as in the server) each
+draft is cut by the cost-aware policy of :mod:`mlx_lm_suffix.policy`, which
+learns its calibration from the replayed steps and weighs them with the
+cost curve given (measured or assumed); ``"fixed"`` drafts as long as the
+limits let.
 
 Each finished request stays in the drafter's global cache, so later records
 draft from earlier responses (one cache per ``"user"`` when records have one,
@@ -40,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import shlex
 import time
@@ -58,9 +56,10 @@ from typing import (
     Union,
 )
 
-from ..drafter import Draft, SuffixDrafter
+from .. import speculation
+from ..drafter import SuffixDrafter
 from ..policy import VerifyCost
-from ..verification import accepted_length
+from ..speculation import Row
 
 #: Knobs a grid may vary, in table order. Missing ones take SuffixDrafter's defaults.
 KNOBS = (
@@ -233,36 +232,68 @@ def expand_grid(grid: Grid) -> List[Dict[str, Any]]:
     return points
 
 
+class _Replay:
+    """The driver of one recorded request (:class:`~mlx_lm_suffix.
+    speculation.Driver`): its response plays the target model, which
+    samples the response's next token after any input; a forward of ``n``
+    tokens costs ``cost(n - 1)``, summed in ``total``."""
+
+    def __init__(self, row: Row, response: List[int], policy: Any, cost: CostFn):
+        self.rows, self.policy, self.cost = [row], policy, cost
+        self.response = response
+        self.at = 0  # where the pending token is in the response
+        self.total = 0.0
+        self._fed: List[int] = []
+
+    def pending(self) -> List[int]:
+        return [self.response[self.at]]
+
+    def plain(self) -> None:
+        self.total += self.cost(0)
+        self.rows[0].stepped(self.response[self.at])
+        self.at += 1
+
+    def verify(self, inputs: List[List[int]]) -> List[List[int]]:
+        self._fed = inputs[0]
+        self.total += self.cost(len(self._fed) - 1)
+        after = self.response[self.at + 1 : self.at + 1 + len(self._fed)]
+        return [after + [-1] * (len(self._fed) - len(after))]
+
+    def keep(self, accepted: List[int], first: List[int]) -> None:
+        self.rows[0].emit(self._fed[: accepted[0] + 1], drafted=accepted[0] + first[0])
+        self.at += accepted[0] + 1
+
+    def room(self) -> float:
+        return math.inf
+
+    def replays(self, width: int) -> bool:
+        return False
+
+
 def replay(
     drafter: SuffixDrafter, record: Record, cost: CostFn = default_cost
 ) -> tuple[float, float]:
-    """Replay one request through ``drafter``, counting into its ``stats``.
+    """Replay one request through ``drafter`` as the single-sequence loop
+    steps it (:func:`~mlx_lm_suffix.speculation.step`, pipelining
+    included), counting into its ``stats``: the first response token comes
+    from the prompt's forward; every step is a plain forward (``cost(0)``),
+    a plain forward and a verification of a confirmed draft, or, settled,
+    a verification of the pending token and a draft of ``k`` tokens
+    (``cost(k)``).
 
-    Returns ``(verification_cost, drafting_seconds)``: the summed ``cost`` of
-    its steps, and the wall time spent in ``draft`` and ``commit`` calls.
-    """
-    response = record.response
-    n = len(response)
+    Returns ``(verification_cost, host_seconds)``: the summed ``cost`` of
+    its forwards, and the wall time of the steps' own work (drafting and
+    the policy)."""
+    response = list(record.response)
     req = drafter.start(record.prompt, scope=record.user)
-    total_cost = 0.0
-    seconds = 0.0
-    pos = 0
-    while pos < n:
-        # The first token comes from the prompt's forward, without a draft.
-        k = min(drafter.num_draft_tokens, n - pos - 1) if pos else 0
-        t0 = time.perf_counter()
-        draft = drafter.propose(req, k) if k > 0 else Draft()
-        draft = draft.truncate(drafter.policy.length(draft, pipelined=False))
-        seconds += time.perf_counter() - t0
-        a = accepted_length(draft.tokens, response[pos : pos + len(draft) + 1])
-        t0 = time.perf_counter()
-        drafter.commit(req, response[pos : pos + a + 1])
-        seconds += time.perf_counter() - t0
-        drafter.record(drafted=len(draft), accepted=a, draft=draft)
-        total_cost += cost(len(draft))
-        pos += a + 1
+    driver = _Replay(Row(drafter, req, drafter.num_draft_tokens, len(response)), response,
+                     drafter.policy, cost)
+    settled, tic = False, time.perf_counter()
+    while driver.rows[0].emitted < len(response):
+        settled = speculation.step(driver, settled)
+    seconds = time.perf_counter() - tic
     drafter.finish(req)
-    return total_cost, seconds
+    return driver.total, seconds
 
 
 def simulate(

@@ -1,0 +1,264 @@
+"""One row's speculation, written once: how far it may draft, the policy's
+cut, the first-token check, acceptance, and its counts.
+
+A *row* is one sequence being generated. Three drivers step rows through
+:func:`step`: the single-sequence loop (:mod:`~mlx_lm_suffix.loop`, one
+row), the batch (:mod:`~mlx_lm_suffix.batch`, a row per request) and the
+simulator (:mod:`~mlx_lm_suffix.tools.simulate`: recorded outputs and a cost
+curve). A driver owns the model, its cache and the arrays (:class:`Driver`);
+this module owns the decisions, over plain ints.
+
+Every row has a *pending* token: the target's choice after its last emitted
+token, not emitted yet. A step is one of two kinds:
+
+- **settled** (the pending tokens are known and nothing computes: after a
+  verification or a first-token check): a single row drafts after its
+  pending token and, where the policy says so, verifies both in one forward
+  of ``[pending] + draft``;
+- **pipelined** (otherwise, and where that draft would not pay): every row
+  emits its pending token and the plain forward after them is queued, as
+  stock mlx-lm steps; meanwhile each row drafts after the token it emitted.
+  The forward's own tokens check each draft's first token; where the policy
+  says so, the confirmed drafts' rests are verified in one forward of each
+  row's ``[that token] + rest`` (a row without a draft feeds its token
+  alone).
+
+Verification accepts the longest prefix equal to the sampled tokens
+(:mod:`~mlx_lm_suffix.verification`); a row emits the token it fed first
+and the accepted ones, and the token sampled after them is its next pending
+token. A draft never reaches past what the row may still emit, nor past the
+positions its cache can take and roll back (:meth:`Row.cap`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Protocol, Sequence
+
+from . import ranks
+from .drafter import Draft, SuffixDrafter
+from .policy.rules import Policy
+from .stats import RequestUsage
+from .verification import accepted_length
+
+
+@dataclass(eq=False)
+class Row:
+    """One sequence's drafting state: its drafter request (``req``; None:
+    it does not use the drafter, so it drafts nothing and nothing of it is
+    cached), the most tokens a draft may have (``num_draft_tokens``; 0: no
+    drafting), the tokens it may emit in all (``max_tokens``), and its counts
+    (``usage``), which the drafter's totals follow."""
+
+    drafter: Optional[SuffixDrafter]
+    req: Optional[int]
+    num_draft_tokens: int
+    max_tokens: float
+    usage: RequestUsage = field(default_factory=RequestUsage)
+    emitted: int = 0
+    # The pending token is committed to the drafter already (a settled draft
+    # comes after it).
+    ahead: bool = False
+
+    def cap(self, room: float, settled: bool) -> int:
+        """The most tokens a draft after the committed tokens may have: the
+        one cap rule. A verification emits the token it feeds first (the
+        pending token, settled; the draft's confirmed first token,
+        pipelined) and the accepted ones, and feeds as many positions, so
+        settled drafts get one less than ``num_draft_tokens`` against what
+        the row may still emit and the ``room`` its cache has (positions it
+        can take and roll back)."""
+        ahead = 1 if settled else 0
+        return int(min(self.num_draft_tokens, self.max_tokens - self.emitted - ahead, room - ahead))
+
+    def propose(self, room: float, settled: bool) -> Draft:
+        """The drafter's draft after the committed tokens, within :meth:`cap`
+        (empty where it is below :func:`shortest`)."""
+        k = self.cap(room, settled)
+        if self.req is None or k < shortest(settled):
+            return Draft()
+        return self.drafter.propose(self.req, k)
+
+    def commit_ahead(self, token: int) -> None:
+        """Commit the pending ``token`` before it is emitted."""
+        if self.req is not None and not self.ahead:
+            self.drafter.commit(self.req, [token])
+        self.ahead = True
+
+    def stepped(self, token: int) -> None:
+        """A plain step emitted the pending ``token``: one forward."""
+        self.emit([token])
+        self.count()
+
+    def emit(self, tokens: Sequence[int], drafted: int = 0) -> None:
+        """``tokens`` are emitted in order, the pending token first;
+        ``drafted`` of them were accepted draft tokens."""
+        if self.req is not None:
+            self.drafter.commit(self.req, tokens[1:] if self.ahead else tokens)
+        self.ahead = False
+        self.emitted += len(tokens)
+        self.usage.accepted += drafted
+
+    def take_back(self, tokens: int, drafted: int) -> None:
+        """The last ``tokens`` emitted (``drafted`` of them accepted draft
+        tokens) were never delivered: they are not counted. (The drafter
+        keeps them: they are the model's own continuation.)"""
+        self.emitted -= tokens
+        self.usage.accepted -= drafted
+
+    def count(self, drafted: int = 0, accepted: int = 0, steps: int = 1,
+              draft: Optional[Draft] = None) -> None:
+        """Count ``steps`` forwards that verified ``drafted`` tokens of
+        ``draft`` and accepted ``accepted`` of them (the drafter learns from
+        the draft's estimates)."""
+        if self.req is None:
+            return
+        self.usage.steps += steps
+        self.usage.drafted += drafted
+        self.drafter.record(drafted=drafted, accepted=accepted, steps=steps, draft=draft)
+
+    def replayed(self, tokens: int) -> None:
+        """Count a replay: the cache went back and was fed ``tokens`` again."""
+        if self.req is None:
+            return
+        self.usage.replays += 1
+        self.usage.replayed_tokens += tokens
+        self.drafter.record_replay(tokens)
+
+
+class Driver(Protocol):
+    """What :func:`step` asks of a driver. ``rows`` are its rows in the
+    order of every list passed in or out (a batch's shrinks as rows
+    finish)."""
+
+    rows: List[Row]
+    policy: Policy
+
+    def pending(self) -> List[int]:
+        """Each row's pending token (waiting for the forward that samples it)."""
+
+    def plain(self) -> None:
+        """Each row emits its pending token (:meth:`Row.stepped`) and the
+        forward after them is queued; rows that finish leave."""
+
+    def verify(self, inputs: List[List[int]]) -> List[List[int]]:
+        """One forward over each row's ``inputs``: the tokens sampled after
+        each of them."""
+
+    def keep(self, accepted: List[int], first: List[int]) -> None:
+        """After :meth:`verify`: row ``i`` keeps its first ``1 + accepted[i]``
+        inputs (emitted with :meth:`Row.emit`, ``first[i]`` of them a draft
+        token confirmed before and ``accepted[i]`` accepted ones), the rest
+        leave its cache, and the token sampled after them is its pending
+        token; rows that finish leave."""
+
+    def room(self) -> float:
+        """How many more positions every row's cache can take and roll back."""
+
+    def replays(self, width: int) -> bool:
+        """Whether a rejection after a forward ``width`` wide may cost feeding
+        the kept tokens again."""
+
+
+def shortest(settled: bool) -> int:
+    """The shortest draft that can gain anything: pipelined, the plain
+    forward checks the first token, so a draft needs two."""
+    return 1 if settled else 2
+
+
+def propose(rows: Sequence[Row], room: float, settled: bool) -> Optional[List[Draft]]:
+    """Each row's draft (:meth:`Row.propose`); None where no row may draft
+    (then the ranks of a distributed server share nothing). Ranks other
+    than 0 draft nothing: :func:`cut` gives them rank 0's drafts."""
+    if not any(r.req is not None and r.cap(room, settled) >= shortest(settled) for r in rows):
+        return None
+    if ranks.following():
+        return [Draft() for _ in rows]
+    return [row.propose(room, settled) for row in rows]
+
+
+def cut(drafts: Optional[List[Draft]], driver: Driver, settled: bool,
+        budget: Optional[float] = None) -> List[Draft]:
+    """The drafts of :func:`propose` cut to the lengths the policy verifies
+    (``budget``: the most seconds the step may take beyond a plain step).
+    Distributed: rank 0's cut drafts, on every rank."""
+    if drafts is None:
+        return [Draft() for _ in driver.rows]
+    width = max(map(len, drafts), default=0)
+    if width:
+        replay = driver.replays(width + 1)
+        lengths = driver.policy.batch_lengths(drafts, not settled, replay, budget)
+        drafts = [d.truncate(n) for d, n in zip(drafts, lengths)]
+    return ranks.drafts(drafts)
+
+
+def check(rows: Sequence[Row], drafts: List[Draft], sampled: Sequence[int]) -> List[Draft]:
+    """The drafts whose first token the plain forward sampled; the others
+    are counted as misses (drafted and rejected, with no forward of their
+    own) and dropped."""
+    out = []
+    for row, d, s in zip(rows, drafts, sampled):
+        if d and d.tokens[0] != s:
+            row.count(drafted=1, steps=0, draft=d)
+            d = Draft()
+        out.append(d)
+    return out
+
+
+def accept(row: Row, draft: Draft, first: int, targets: Sequence[int]) -> int:
+    """Count a verification of ``draft`` whose first ``first`` tokens were
+    confirmed before it (and fed as its first input), with ``targets`` the
+    tokens sampled after each input; returns how many of the rest it
+    accepts."""
+    rest = draft.tokens[first:]
+    a = accepted_length(rest, targets[: len(rest) + 1])
+    if draft:
+        row.count(drafted=len(draft), accepted=a + first, draft=draft)
+    else:
+        row.count()
+    return a
+
+
+def _verify(driver: Driver, pending: Sequence[int], drafts: List[Draft], first: int) -> None:
+    rows = driver.rows
+    inputs = [[p] + d.tokens[first:] for p, d in zip(pending, drafts)]
+    targets = driver.verify(inputs)
+    accepted = [accept(r, d, first, t) for r, d, t in zip(rows, drafts, targets)]
+    driver.keep(accepted, [first if d else 0 for d in drafts])
+
+
+def step(driver: Driver, settled: bool, budget: Optional[float] = None) -> bool:
+    """One step of the driver's rows (see the module docstring); returns
+    whether their pending tokens are known after it and nothing computes.
+    ``budget``: the most seconds the step may take beyond a plain step."""
+    early: Optional[List[Draft]] = None
+    rows = driver.rows
+    if settled and len(rows) == 1:
+        # Settled, one row: draft after its pending token, verify both now
+        # where that pays; else the same draft is the pipelined step's.
+        pending = driver.pending()
+        rows[0].commit_ahead(pending[0])
+        early = propose(rows, driver.room(), settled=True)
+        drafts = cut(early, driver, True, budget)
+        if any(drafts):
+            _verify(driver, pending, drafts, first=0)
+            return True
+    driver.plain()
+    if driver.rows != rows:  # rows finished: their drafts go with them
+        early, rows = None, driver.rows
+    if not rows:
+        return False
+    proposed = early if early is not None else propose(rows, driver.room(), settled=False)
+    drafts = cut(proposed, driver, False, budget)
+    if not any(drafts):
+        return False
+    sampled = driver.pending()
+    confirmed = check(rows, drafts, sampled)
+    dropped = any(c is not d for c, d in zip(confirmed, drafts))
+    if len(rows) > 1 and dropped and any(confirmed):
+        # One width for the batch: chosen again for the confirmed drafts.
+        confirmed = cut(confirmed, driver, False, budget)
+    if any(confirmed):
+        _verify(driver, sampled, confirmed, first=1)
+    return True
+
