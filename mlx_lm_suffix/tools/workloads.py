@@ -10,7 +10,7 @@ Each workload is a JSONL file, one request per line::
 ``"prompt"`` (raw text) may replace ``"messages"``. Requests of one
 ``"session"`` are sent in ``"turn"`` order (a multi-turn conversation whose
 later prompts contain the earlier answers); different sessions are
-independent. Users can supply their own files in the same format.
+independent. Other fields are kept and ignored. Users can supply their own files in the same format.
 
 Workloads:
 
@@ -32,7 +32,7 @@ import os
 import re
 import sysconfig
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 __all__ = [
     "WORKLOADS",
@@ -116,6 +116,47 @@ def _user(text: str) -> Dict[str, str]:
     return {"role": "user", "content": text}
 
 
+def code_edit_message(path: str, language: str, source: str, task: str) -> Dict[str, str]:
+    """The user message of a code-edit request: the file in a fenced block
+    (four backticks where the file holds three), then the task."""
+    fence = "````" if "```" in source else "```"
+    return _user(f"File `{path}`:\n{fence}{language}\n{source}{fence}\n\n{task}")
+
+
+def session_records(
+    workload: str,
+    session: str,
+    messages: List[Dict[str, str]],
+    answers: Sequence[str],
+    results: Sequence[str],
+    **fields: Any,
+) -> List[Dict[str, Any]]:
+    """The records of one multi-turn session: turn ``t`` is sent ``messages``
+    followed, for each earlier turn, by its answer (as the assistant) and
+    its tool result (as the user, after a line ``Tool result:``), and its
+    reference is ``answers[t]``. ``results[t]`` follows answer ``t`` (none
+    after the last answers if ``results`` is shorter). ``fields`` are added
+    to every record."""
+    records = []
+    messages = [dict(m) for m in messages]
+    for t, answer in enumerate(answers):
+        records.append(
+            {
+                "id": f"{session}-{t}",
+                "workload": workload,
+                "session": session,
+                "turn": t,
+                **fields,
+                "messages": [dict(m) for m in messages],
+                "reference": answer,
+            }
+        )
+        messages.append({"role": "assistant", "content": answer})
+        if t < len(results):
+            messages.append(_user(f"Tool result:\n{results[t]}"))
+    return records
+
+
 def code_edit(n: int = 8, max_chars: int = 4000) -> List[Dict[str, Any]]:
     """Code-edit requests: a source file plus an edit (rename a function
     everywhere, or add a line after each ``def`` header); the reference is the
@@ -151,7 +192,7 @@ def code_edit(n: int = 8, max_chars: int = 4000) -> List[Dict[str, Any]]:
                 "workload": "code-edit",
                 "session": f"code-edit-{i}",
                 "turn": 0,
-                "messages": [_user(f"File `Lib/{module}.py`:\n```python\n{src}```\n\n{task}")],
+                "messages": [code_edit_message(f"Lib/{module}.py", "python", src, task)],
                 "reference": edited,
             }
         )
@@ -195,20 +236,8 @@ def agentic(n: int = 8, turns: int = 3) -> List[Dict[str, Any]]:
             f"{path}:{start + 1}:{lines[start]}",
             "\n".join(f"{k + 1}: {lines[k]}" for k in range(start, end)),
         ]
-        for t in range(min(turns, n - len(records))):
-            records.append(
-                {
-                    "id": f"agentic-{session}-{t}",
-                    "workload": "agentic",
-                    "session": f"agentic-{session}",
-                    "turn": t,
-                    "messages": [dict(m) for m in messages],
-                    "reference": answers[t],
-                }
-            )
-            messages.append({"role": "assistant", "content": answers[t]})
-            if t < len(results):
-                messages.append(_user(f"Tool result:\n{results[t]}"))
+        keep = min(turns, n - len(records))
+        records += session_records("agentic", f"agentic-{session}", messages, answers[:keep], results)
         session += 1
     return records
 
