@@ -141,6 +141,7 @@ def test_bench_command(tmp_path, tiny_model_path):
     assert report["drafter"]["max_spec_factor"] == 2.0
     assert report["blas"] in ("openblas", "reference", "accelerate")
     assert set(report["workloads"]) == {"code-edit", "agentic"}
+    assert report["workload_set"] == {"set": "builtin"}
     for name, wl in report["workloads"].items():
         assert list(wl["arms"]) == ["stock", "suffix-cold", "suffix-warm", "oracle", "oracle@4"]
         for arm, m in wl["arms"].items():
@@ -174,7 +175,7 @@ def test_bench_command(tmp_path, tiny_model_path):
                 assert s["worst"] <= s["p10"] <= s["median"]
     assert (out / "bench.png").stat().st_size > 0
     assert "mode: scripted" in result.output
-    assert "per request decode" in result.output
+    assert "workloads: builtin" in result.output and "per request decode" in result.output
     assert "code-edit suffix-cold: verify cost 1:1.00 " in result.output
 
 
@@ -207,6 +208,28 @@ def test_per_request_ratios_pair_requests_and_spread():
     assert dec["ratios"]["b"] == pytest.approx([0.5, 0.6])
     assert dec["worst"] == pytest.approx(0.55) and dec["worst_request"] == "b"
     assert bench.ratio_spread({})["median"] is None and bench.percentile([3.0], 10) == 3.0
+
+
+def test_bench_on_the_eval_set(tmp_path, tiny_model_path):
+    out = tmp_path / "out"
+    args = ["bench", "--model", str(tiny_model_path), "--scripted", "--blas", "reference",
+            "--max-tokens", "12", "--repetitions", "2", "--arms", "stock,suffix-cold-fixed",
+            "--workloads", "open-ended", "--out", str(out)]
+    result = CliRunner().invoke(main, args + ["--half", "tune"])
+    assert result.exit_code != 0 and "--half needs --set eval" in result.output
+    result = CliRunner().invoke(main, args + ["--set", "eval", "--half", "tune", "--requests", "2"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert "workloads: eval (tune half)" in result.output
+    report = json.loads((out / "bench.json").read_text())
+    assert report["workload_set"] == {"set": "eval", "half": "tune"}
+    ids = [r["id"] for r in workloads.eval_set("open-ended", "tune")[:2]]
+    arm = report["workloads"]["open-ended"]["arms"]["suffix-cold-fixed"]
+    assert arm["requests"] == 2 and arm["matched_reference"] is True
+    assert list(arm["per_request"]["decode"]["ratios"]) == ids
+    assert all(len(v) == 2 for v in arm["per_request"]["decode"]["ratios"].values())
+    # The workload file the bench ran holds that half only.
+    ran = workloads.read_workload(out / "workloads" / "open-ended.jsonl")
+    assert ran == workloads.eval_set("open-ended", "tune")
 
 
 class _WrongThird(bench.OracleDrafter):

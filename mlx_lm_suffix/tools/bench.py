@@ -1058,6 +1058,7 @@ def format_table(report: Dict[str, Any]) -> str:
         f"mode: {report['mode']}  blas: {report['blas']}  model: {report['model']}"
         + (f"  servers: {report['ranks']} ranks" if report.get("ranks", 1) > 1 else "")
         + "\n"
+        + (f"workloads: {describe_set(report['workload_set'])}\n" if report.get("workload_set") else "")
         + f"max_tokens {report['max_tokens']}, {report['repetitions']} paired repetition(s); "
         "speedup = median of per-repetition tok/s ratios to stock (end to end); "
         "decode = the same after the first token (prefill excluded)\n"
@@ -1105,6 +1106,12 @@ def format_table(report: Dict[str, Any]) -> str:
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     return head + "\n".join(lines + replay_lines(report) + prompt_cache_lines(report))
+
+
+def describe_set(ws: Dict[str, Any]) -> str:
+    """One line for a report's ``workload_set``: its ``set`` (``eval``,
+    ``builtin`` or ``files``) and, for the evaluation set, its ``half``."""
+    return ws["set"] + (f" ({ws['half']} half)" if ws.get("half") else "")
 
 
 def replay_lines(report: Dict[str, Any]) -> List[str]:
