@@ -2,6 +2,7 @@
 tiny model (short settings)."""
 
 import json
+import statistics
 
 import pytest
 from click.testing import CliRunner
@@ -140,7 +141,8 @@ def test_bench_command(tmp_path, tiny_model_path):
     assert report["drafter"]["max_spec_factor"] == 2.0
     assert report["blas"] in ("openblas", "reference", "accelerate")
     assert set(report["workloads"]) == {"code-edit", "agentic"}
-    for wl in report["workloads"].values():
+    assert report["workload_set"] == {"set": "builtin"}
+    for name, wl in report["workloads"].items():
         assert list(wl["arms"]) == ["stock", "suffix-cold", "suffix-warm", "oracle", "oracle@4"]
         for arm, m in wl["arms"].items():
             assert m["tokens"] > 0 and m["tokens_per_s"] > 0
@@ -160,9 +162,74 @@ def test_bench_command(tmp_path, tiny_model_path):
         assert wl["arms"]["oracle"]["verify_cost"] is None  # fixed lengths learn no curve
         assert wl["arms"]["stock"]["speedup_vs_stock"] == 1.0
         assert wl["arms"]["oracle"]["acceptance_rate"] >= 0.99
+        # Per-request ratios to stock's same request, for every other arm.
+        ids = [r["id"] for r in workloads.read_workload(out / "workloads" / f"{name}.jsonl")[:2]]
+        assert wl["arms"]["stock"]["per_request"] is None
+        for arm in ("suffix-cold", "suffix-warm", "oracle", "oracle@4"):
+            for kind in ("end_to_end", "decode"):
+                s = wl["arms"][arm]["per_request"][kind]
+                assert list(s["ratios"]) == ids and s["requests"] == 2
+                assert all(len(v) == 1 and v[0] > 0 for v in s["ratios"].values())
+                assert s["worst"] == min(v[0] for v in s["ratios"].values())
+                assert s["ratios"][s["worst_request"]] == [s["worst"]]
+                assert s["worst"] <= s["p10"] <= s["median"]
     assert (out / "bench.png").stat().st_size > 0
     assert "mode: scripted" in result.output
+    assert "workloads: builtin" in result.output and "per request decode" in result.output
     assert "code-edit suffix-cold: verify cost 1:1.00 " in result.output
+
+
+def test_per_request_ratios_pair_requests_and_spread():
+    """Each request's rate against the base arm's on the same request in
+    the same repetition, the median over repetitions; over requests the
+    median, the 10th percentile (inclusive quantiles) and the worst."""
+    s = bench.summarize([bench.Sample(11, 2.0, 1.0, request="a"), bench.Sample(1, 0.5, 0.5, request="b")])
+    assert s["per_request"] == {
+        "a": {"tokens_per_s": 5.5, "decode_tokens_per_s": 10.0},
+        "b": {"tokens_per_s": 2.0, "decode_tokens_per_s": None},  # one token: no decode
+    }
+
+    def arm(rates):  # request id -> (tok/s, decode tok/s)
+        return {"per_request": {k: {"tokens_per_s": e, "decode_tokens_per_s": d} for k, (e, d) in rates.items()}}
+
+    base = {"a": (10.0, 20.0), "b": (10.0, 20.0), "c": (10.0, 20.0), "d": (10.0, None)}
+    reps = [
+        {"stock": arm(base), "x": arm({"a": (5.0, 30.0), "b": (20.0, 10.0), "c": (12.0, 20.0), "d": (1.0, None)})},
+        {"stock": arm(base), "x": arm({"a": (7.0, 30.0), "b": (20.0, 12.0), "c": (10.0, 22.0), "e": (9.0, 9.0)})},
+    ]
+    spreads = bench.request_spreads(reps, "x", "stock")
+    e2e, dec = spreads["end_to_end"], spreads["decode"]
+    assert e2e["ratios"] == {"a": [0.5, 0.7], "b": [2.0, 2.0], "c": [1.2, 1.0], "d": [0.1]}
+    assert (e2e["worst"], e2e["worst_request"], e2e["requests"]) == (0.1, "d", 4)
+    assert e2e["median"] == pytest.approx((0.6 + 1.1) / 2)
+    assert e2e["p10"] == pytest.approx(statistics.quantiles([0.1, 0.6, 1.1, 2.0], n=10, method="inclusive")[0])
+    # "d" has no decode rate, "e" no stock run: neither counts.
+    assert set(dec["ratios"]) == {"a", "b", "c"} and dec["requests"] == 3
+    assert dec["ratios"]["b"] == pytest.approx([0.5, 0.6])
+    assert dec["worst"] == pytest.approx(0.55) and dec["worst_request"] == "b"
+    assert bench.ratio_spread({})["median"] is None and bench.percentile([3.0], 10) == 3.0
+
+
+def test_bench_on_the_eval_set(tmp_path, tiny_model_path):
+    out = tmp_path / "out"
+    args = ["bench", "--model", str(tiny_model_path), "--scripted", "--blas", "reference",
+            "--max-tokens", "12", "--repetitions", "2", "--arms", "stock,suffix-cold-fixed",
+            "--workloads", "open-ended", "--out", str(out)]
+    result = CliRunner().invoke(main, args + ["--half", "tune"])
+    assert result.exit_code != 0 and "--half needs --set eval" in result.output
+    result = CliRunner().invoke(main, args + ["--set", "eval", "--half", "tune", "--requests", "2"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert "workloads: eval (tune half)" in result.output
+    report = json.loads((out / "bench.json").read_text())
+    assert report["workload_set"] == {"set": "eval", "half": "tune"}
+    ids = [r["id"] for r in workloads.eval_set("open-ended", "tune")[:2]]
+    arm = report["workloads"]["open-ended"]["arms"]["suffix-cold-fixed"]
+    assert arm["requests"] == 2 and arm["matched_reference"] is True
+    assert list(arm["per_request"]["decode"]["ratios"]) == ids
+    assert all(len(v) == 2 for v in arm["per_request"]["decode"]["ratios"].values())
+    # The workload file the bench ran holds that half only.
+    ran = workloads.read_workload(out / "workloads" / "open-ended.jsonl")
+    assert ran == workloads.eval_set("open-ended", "tune")
 
 
 class _WrongThird(bench.OracleDrafter):
@@ -294,6 +361,23 @@ def test_real_server_answers_are_compared_with_stock(requests, monkeypatch):
     assert runs["suffix"]["matched_reference"] is False
     monkeypatch.setattr(bench, "http_generate", lambda url, req, *a, **k: fake("stock", req, 8))
     assert bench.run_server_arms(urls, reqs, 8, 2, False)["suffix"]["matched_reference"] is True
+
+
+def test_server_requests_pair_by_id(requests, monkeypatch):
+    # Sessions finish in any order at concurrency 2; each answer is paired
+    # with the stock server's answer to the same request.
+    reqs = requests["agentic"][:4]
+    slow = reqs[1].id
+
+    def fake(url, req, max_tokens, timeout=600.0):
+        seconds = 0.4 if url == "suffix" and req.id == slow else 0.1
+        return bench.Sample(5, seconds, 0.01, steps=5, request=req.id), "x"
+
+    monkeypatch.setattr(bench, "http_generate", fake)
+    runs = bench.run_server_arms({"stock": "stock", "suffix": "suffix"}, reqs, 8, 2, True)
+    spread = bench.request_spreads([runs], "suffix", "stock")["end_to_end"]
+    assert spread["ratios"] == {r.id: [0.25 if r.id == slow else 1.0] for r in reqs}
+    assert spread["worst_request"] == slow
 
 
 def test_http_generate_retries_connections_reset_unread():

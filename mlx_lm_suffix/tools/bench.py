@@ -37,11 +37,19 @@ the share of the arm's time those forwards took, estimated from the curve
 in ``server_stats``.
 
 Ratios are medians of per-repetition ratios to ``stock`` (the same
-repetition). Arms run interleaved, so that the machine's drift over a run
-weighs on all of them alike: in process, each request goes through every
-arm in turn; through servers, all servers of a repetition run at once and
-each wave of ``concurrency`` sessions goes to every server in turn. The
-order alternates from request (wave) to request (wave).
+repetition). Each arm also reports the spread of its per-request ratios
+(``per_request``, :func:`request_spreads`; None for a baseline arm
+itself): a request's ratio is its tokens/s (end to end, and decode) over
+the baseline arm's on the same request in the same repetition, the median
+over repetitions; over the requests, their median, 10th percentile, the
+worst ratio and which request it was. Server arms pair requests by id with
+the stock server's same pass (:func:`baseline_arm`).
+
+Arms run interleaved, so that the machine's drift over a run weighs on all
+of them alike: in process, each request goes through every arm in turn;
+through servers, all servers of a repetition run at once and each wave of
+``concurrency`` sessions goes to every server in turn. The order alternates
+from request (wave) to request (wave).
 """
 
 from __future__ import annotations
@@ -380,6 +388,8 @@ class Sample:
     #: cache held (``usage.prompt_tokens_details.cached_tokens``).
     prompt_tokens: Optional[int] = None
     cached_tokens: Optional[int] = None
+    #: The request's id (pairs it with another arm's sample of it).
+    request: Optional[str] = None
 
 
 def _peak_memory() -> Optional[int]:
@@ -437,7 +447,7 @@ def generate_one(
         if resp.finish_reason != "stop" or resp.token not in tokenizer.eos_token_ids:
             out.append(int(resp.token))
     seconds = time.perf_counter() - t0
-    s = Sample(tokens=len(out), seconds=seconds, ttft=ttft, steps=forwards)
+    s = Sample(tokens=len(out), seconds=seconds, ttft=ttft, steps=forwards, request=req.id)
     if drafter is not None:
         moved = drafter.stats.delta(before)
         s.drafted, s.accepted, s.steps = moved.drafted, moved.accepted, moved.steps
@@ -543,7 +553,9 @@ def summarize(
     samples: Sequence[Sample], wall: Optional[float] = None, peak_memory: Optional[int] = None
 ) -> Dict[str, Any]:
     """Aggregate metrics of one arm run. ``wall`` defaults to the sum of the
-    request times (concurrency 1)."""
+    request times (concurrency 1). ``per_request``: each sample with a
+    request id, by id, its own ``tokens_per_s`` and ``decode_tokens_per_s``
+    (None with fewer than 2 tokens); ids are expected to be unique."""
     tokens = sum(s.tokens for s in samples)
     wall = wall if wall is not None else sum(s.seconds for s in samples)
     drafted = sum(s.drafted for s in samples)
@@ -576,6 +588,14 @@ def summarize(
         "replay_share": sum(replay_s) / wall if replay_s and wall > 0 else None,
         "prompt_tokens": sum(s.prompt_tokens for s in served) if served else None,
         "cached_prompt_tokens": sum(s.cached_tokens or 0 for s in served) if served else None,
+        "per_request": {
+            s.request: {
+                "tokens_per_s": s.tokens / s.seconds if s.seconds > 0 else 0.0,
+                "decode_tokens_per_s": _decode_rate([s]),
+            }
+            for s in samples
+            if s.request is not None
+        },
     }
 
 
@@ -583,6 +603,71 @@ def _decode_rate(samples: Sequence[Sample]) -> Optional[float]:
     decode = sum(s.seconds - s.ttft for s in samples if s.tokens > 1)
     tokens = sum(s.tokens - 1 for s in samples if s.tokens > 1)
     return tokens / decode if decode > 0 else None
+
+
+#: The per-request rates :func:`summarize` reports, by the name of their ratio.
+RATE_KEYS = {"end_to_end": "tokens_per_s", "decode": "decode_tokens_per_s"}
+
+
+def request_ratios(arm: Dict[str, Any], base: Dict[str, Any], key: str) -> Dict[str, float]:
+    """Per request id that both summaries (of :func:`summarize`) hold, the
+    arm's rate ``key`` over the base's, in the arm's request order; requests
+    without both rates are left out."""
+    out = {}
+    base_rates = base.get("per_request") or {}
+    for rid, rates in (arm.get("per_request") or {}).items():
+        mine, theirs = rates.get(key), (base_rates.get(rid) or {}).get(key)
+        if mine is not None and theirs:
+            out[rid] = mine / theirs
+    return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values``, interpolated linearly
+    between order statistics (``statistics.quantiles``' inclusive method);
+    ``ValueError`` when empty."""
+    xs = sorted(values)
+    if not xs:
+        raise ValueError("percentile of no values")
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def ratio_spread(ratios: Dict[str, Sequence[float]]) -> Dict[str, Any]:
+    """The spread over requests of per-request ratios (request id -> its
+    ratio in each repetition): each request counts as the median of its
+    ratios; returns ``requests`` (how many had one), their ``median``,
+    ``p10`` (:func:`percentile`), ``worst`` (the lowest),
+    ``worst_request`` (its id, the first in order on a tie) and the
+    ``ratios`` given; None figures when no request has a ratio."""
+    per = {rid: statistics.median(v) for rid, v in ratios.items() if v}
+    worst = min(per, key=per.__getitem__) if per else None
+    return {
+        "requests": len(per),
+        "median": statistics.median(per.values()) if per else None,
+        "p10": percentile(list(per.values()), 10) if per else None,
+        "worst": per[worst] if worst is not None else None,
+        "worst_request": worst,
+        "ratios": {rid: list(v) for rid, v in ratios.items()},
+    }
+
+
+def request_spreads(reps: Sequence[Dict[str, Dict[str, Any]]], arm: str, base: str) -> Dict[str, Any]:
+    """``arm``'s per-request ratios to ``base`` over repetitions ``reps``
+    (arm name -> :func:`summarize` output, one dict per repetition), each
+    request against ``base``'s same request in the same repetition: a
+    :func:`ratio_spread` for each ratio of :data:`RATE_KEYS`."""
+    out = {}
+    for name, key in RATE_KEYS.items():
+        ratios: Dict[str, List[float]] = {}
+        for rep in reps:
+            if arm in rep and base in rep:
+                for rid, r in request_ratios(rep[arm], rep[base], key).items():
+                    ratios.setdefault(rid, []).append(r)
+        out[name] = ratio_spread(ratios)
+    return out
 
 
 # ----------------------------------------------------------------- server
@@ -690,6 +775,7 @@ def http_generate(url: str, req: Request, max_tokens: int, timeout: float = 600.
         steps,
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
         cached_tokens=int(cached or 0),
+        request=req.id,
     )
     return sample, "".join(text)
 
@@ -872,6 +958,7 @@ def run_bench(
                 and rep[a]["decode_tokens_per_s"] and rep[base]["decode_tokens_per_s"]
             ]
             merged["decode_speedup_vs_stock"] = statistics.median(decode) if decode else None
+            merged["per_request"] = request_spreads(per_rep, a, base) if a != base else None
             wl["arms"][a] = merged
         report["workloads"][name] = wl
     return report
@@ -971,15 +1058,27 @@ def format_table(report: Dict[str, Any]) -> str:
         f"mode: {report['mode']}  blas: {report['blas']}  model: {report['model']}"
         + (f"  servers: {report['ranks']} ranks" if report.get("ranks", 1) > 1 else "")
         + "\n"
-        f"max_tokens {report['max_tokens']}, {report['repetitions']} paired repetition(s); "
+        + (f"workloads: {describe_set(report['workload_set'])}\n" if report.get("workload_set") else "")
+        + f"max_tokens {report['max_tokens']}, {report['repetitions']} paired repetition(s); "
         "speedup = median of per-repetition tok/s ratios to stock (end to end); "
         "decode = the same after the first token (prefill excluded)\n"
+        "per request = median/p10/worst over requests of each request's tok/s ratio to stock's "
+        "on the same request (median over repetitions); worst = the request of the worst decode ratio\n"
     )
-    cols = ("workload", "arm", "speedup", "decode", "tok/s", "accept", "tok/step", "TTFT ms", "TPOT ms", "peak MB", "match")
+    cols = (
+        "workload", "arm", "speedup", "decode", "per request e2e", "per request decode", "worst",
+        "tok/s", "accept", "tok/step", "TTFT ms", "TPOT ms", "peak MB", "match",
+    )
     rows = [cols]
 
     def f(v: Any, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
+
+    def spread(m: Dict[str, Any], name: str) -> str:
+        s = (m.get("per_request") or {}).get(name) or {}
+        if s.get("median") is None:
+            return "-"
+        return "/".join(format(s[k], ".2f") for k in ("median", "p10", "worst"))
 
     for name, wl in report["workloads"].items():
         for arm, m in wl["arms"].items():
@@ -991,6 +1090,9 @@ def format_table(report: Dict[str, Any]) -> str:
                     f(m.get("speedup_vs_stock"), ".2f") + ("x" if m.get("speedup_vs_stock") else ""),
                     f(m.get("decode_speedup_vs_stock"), ".2f")
                     + ("x" if m.get("decode_speedup_vs_stock") else ""),
+                    spread(m, "end_to_end"),
+                    spread(m, "decode"),
+                    ((m.get("per_request") or {}).get("decode") or {}).get("worst_request") or "-",
                     f(m["tokens_per_s"], ".1f"),
                     f(m["acceptance_rate"], ".0%"),
                     f(m["tokens_per_step"], ".2f"),
@@ -1004,6 +1106,12 @@ def format_table(report: Dict[str, Any]) -> str:
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     return head + "\n".join(lines + replay_lines(report) + prompt_cache_lines(report))
+
+
+def describe_set(ws: Dict[str, Any]) -> str:
+    """One line for a report's ``workload_set``: its ``set`` (``eval``,
+    ``builtin`` or ``files``) and, for the evaluation set, its ``half``."""
+    return ws["set"] + (f" ({ws['half']} half)" if ws.get("half") else "")
 
 
 def replay_lines(report: Dict[str, Any]) -> List[str]:

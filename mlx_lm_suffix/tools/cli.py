@@ -11,7 +11,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import click
 
@@ -257,18 +257,48 @@ def parity_command(
     "workload_files",
     multiple=True,
     type=click.Path(exists=True, dir_okay=False),
-    help="Workload JSONL (repeatable). Default: the built-in code-edit, agentic "
-    "and open-ended workloads.",
+    help="Workload JSONL (repeatable), instead of --set's. Default: the code-edit, agentic "
+    "and open-ended workloads of --set.",
+)
+@click.option(
+    "--set",
+    "workload_set",
+    type=click.Choice(["builtin", "eval"]),
+    default="builtin",
+    show_default=True,
+    help="builtin: workloads generated from this machine's Python standard library "
+    "(--requests, --prompt-chars); eval: the evaluation set kept in the package "
+    "(at least 24 requests per workload of original text, in two halves; --half).",
+)
+@click.option(
+    "--half",
+    type=click.Choice(["tune", "report", "all"]),
+    default=None,
+    help="With --set eval: the half to run (tune: for choosing constants, report: for "
+    "figures).  [default: report]",
 )
 @click.option(
     "--workloads",
     "workload_names",
     default="code-edit,agentic,open-ended",
     show_default=True,
-    help="Built-in workloads to run (comma-separated), when no --workload is given.",
+    help="Workloads of --set to run (comma-separated), when no --workload is given.",
 )
-@click.option("--requests", "n_requests", default=8, show_default=True, type=int, help="Requests per workload.")
-@click.option("--prompt-chars", default=4000, show_default=True, type=int, help="Source length in code-edit prompts.")
+@click.option(
+    "--requests",
+    "n_requests",
+    default=None,
+    type=int,
+    help="Requests per workload (the first ones).  [default: all of the half with --set "
+    "eval, else 8]",
+)
+@click.option(
+    "--prompt-chars",
+    default=4000,
+    show_default=True,
+    type=int,
+    help="Source length in code-edit prompts (--set builtin).",
+)
 @click.option("--max-tokens", default=256, show_default=True, type=int)
 @click.option("--repetitions", default=3, show_default=True, type=int, help="Paired repetitions (arm order alternates).")
 @click.option(
@@ -324,8 +354,10 @@ def bench_command(
     family: str,
     size: str,
     workload_files: tuple,
+    workload_set: str,
+    half: Optional[str],
     workload_names: str,
-    n_requests: int,
+    n_requests: Optional[int],
     prompt_chars: int,
     max_tokens: int,
     repetitions: int,
@@ -346,12 +378,14 @@ def bench_command(
     an oracle drafter side by side; writes bench.json and bench.png."""
     if ranks > 1 and not server:
         raise click.ClickException("--ranks needs --server (only the servers are distributed)")
+    if half is not None and (workload_set != "eval" or workload_files):
+        raise click.ClickException("--half needs --set eval (and no --workload)")
     from . import bench as b
 
     b.maybe_reexec_with_openblas(blas)
     from .gguf import WheelUnavailable
     from .models import ensure_model, resolve_model
-    from .workloads import write_workloads
+    from .workloads import write_eval_set, write_workloads
 
     try:
         model_path = resolve_model(model) if model else str(ensure_model(family, size))
@@ -360,14 +394,21 @@ def bench_command(
     if scripted is None:
         scripted = model is None or b.is_local_random_model(model_path)
     out = Path(out_dir)
-    if workload_files:
-        files = {Path(f).stem: Path(f) for f in workload_files}
-    else:
-        names = [n.strip() for n in workload_names.split(",") if n.strip()]
-        try:
-            files = write_workloads(out / "workloads", n=n_requests, max_chars=prompt_chars, names=names)
-        except ValueError as e:
-            raise click.ClickException(str(e)) from e
+    names = [n.strip() for n in workload_names.split(",") if n.strip()]
+    try:
+        if workload_set == "eval" and not workload_files:
+            files = write_eval_set(out / "workloads", names=names, half=half or "report")
+            selection: Dict[str, Any] = {"set": "eval", "half": half or "report"}
+        else:
+            n_requests = 8 if n_requests is None else n_requests
+            if workload_files:
+                files = {Path(f).stem: Path(f) for f in workload_files}
+                selection = {"set": "files"}
+            else:
+                files = write_workloads(out / "workloads", n=n_requests, max_chars=prompt_chars, names=names)
+                selection = {"set": "builtin"}
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
     if arms.strip() == "none":
         if not server:
             raise click.ClickException("--arms none needs --server")
@@ -379,7 +420,10 @@ def bench_command(
         raise click.ClickException(f"unknown arms {bad}; choose from {b.INPROCESS_ARMS} or oracle@N")
     from .workloads import read_workload
 
-    counts = {k: len(read_workload(v)[:n_requests]) for k, v in files.items()}
+    try:
+        counts = {k: len(read_workload(v)[:n_requests]) for k, v in files.items()}
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
     total = b.total_ticks(counts, arm_list, repetitions, server, concurrency, server_fixed)
     with click.progressbar(length=total, label="bench", file=sys.stderr) as bar:
         report = b.run_bench(
@@ -404,6 +448,7 @@ def bench_command(
             log_dir=out,
             ranks=ranks,
         )
+    report["workload_set"] = selection
     click.echo(b.format_table(report))
     _write_json(out / "bench.json", report)
     png = b.plot(report, out / "bench.png")

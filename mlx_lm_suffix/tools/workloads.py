@@ -1,5 +1,6 @@
-"""Benchmark workloads built from text every machine has: the Python
-standard library's own sources and docstrings.
+"""Benchmark workloads: built-in ones generated from text every machine has
+(the Python standard library's own sources and docstrings), and a committed
+evaluation set of original text.
 
 Each workload is a JSONL file, one request per line::
 
@@ -10,7 +11,8 @@ Each workload is a JSONL file, one request per line::
 ``"prompt"`` (raw text) may replace ``"messages"``. Requests of one
 ``"session"`` are sent in ``"turn"`` order (a multi-turn conversation whose
 later prompts contain the earlier answers); different sessions are
-independent. Users can supply their own files in the same format.
+independent. Ids are unique within a file. Other fields are kept and
+ignored. Users can supply their own files in the same format.
 
 Workloads:
 
@@ -22,6 +24,15 @@ Workloads:
   another, so answers share little with prompts or earlier answers.
 
 Generation is deterministic: the same Python version gives the same files.
+
+The evaluation set (:func:`eval_set`, package data under
+``mlx_lm_suffix/data/evalset/``) has the same three kinds in the same
+format, written for this project (none of it from ``_MODULES``, the text the
+policy's constants were first chosen on); each record also has ``"half"``:
+``"tune"`` (for choosing constants) or ``"report"`` (for figures), a whole
+session in one half. Its code-edit records also say ``"language"`` and
+``"edit"`` (the kind of edit). :func:`build_eval_set` makes it from the
+sources in the repository's ``benchmarks/evalset/``.
 """
 
 from __future__ import annotations
@@ -32,19 +43,26 @@ import os
 import re
 import sysconfig
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 __all__ = [
+    "HALVES",
     "WORKLOADS",
     "agentic",
+    "build_eval_set",
     "code_edit",
+    "eval_set",
     "open_ended",
     "read_workload",
+    "write_eval_set",
     "write_workloads",
 ]
 
 #: Workload names, in the order they are written and benchmarked.
 WORKLOADS = ("code-edit", "agentic", "open-ended")
+#: Halves of the evaluation set: constants are chosen on "tune", figures
+#: reported on "report".
+HALVES = ("tune", "report")
 
 # Small, stable, pure-Python stdlib modules (present on every CPython).
 _MODULES = (
@@ -116,6 +134,47 @@ def _user(text: str) -> Dict[str, str]:
     return {"role": "user", "content": text}
 
 
+def code_edit_message(path: str, language: str, source: str, task: str) -> Dict[str, str]:
+    """The user message of a code-edit request: the file in a fenced block
+    (four backticks where the file holds three), then the task."""
+    fence = "````" if "```" in source else "```"
+    return _user(f"File `{path}`:\n{fence}{language}\n{source}{fence}\n\n{task}")
+
+
+def session_records(
+    workload: str,
+    session: str,
+    messages: List[Dict[str, str]],
+    answers: Sequence[str],
+    results: Sequence[str],
+    **fields: Any,
+) -> List[Dict[str, Any]]:
+    """The records of one multi-turn session: turn ``t`` is sent ``messages``
+    followed, for each earlier turn, by its answer (as the assistant) and
+    its tool result (as the user, after a line ``Tool result:``), and its
+    reference is ``answers[t]``. ``results[t]`` follows answer ``t`` (none
+    after the last answers if ``results`` is shorter). ``fields`` are added
+    to every record."""
+    records = []
+    messages = [dict(m) for m in messages]
+    for t, answer in enumerate(answers):
+        records.append(
+            {
+                "id": f"{session}-{t}",
+                "workload": workload,
+                "session": session,
+                "turn": t,
+                **fields,
+                "messages": [dict(m) for m in messages],
+                "reference": answer,
+            }
+        )
+        messages.append({"role": "assistant", "content": answer})
+        if t < len(results):
+            messages.append(_user(f"Tool result:\n{results[t]}"))
+    return records
+
+
 def code_edit(n: int = 8, max_chars: int = 4000) -> List[Dict[str, Any]]:
     """Code-edit requests: a source file plus an edit (rename a function
     everywhere, or add a line after each ``def`` header); the reference is the
@@ -151,7 +210,7 @@ def code_edit(n: int = 8, max_chars: int = 4000) -> List[Dict[str, Any]]:
                 "workload": "code-edit",
                 "session": f"code-edit-{i}",
                 "turn": 0,
-                "messages": [_user(f"File `Lib/{module}.py`:\n```python\n{src}```\n\n{task}")],
+                "messages": [code_edit_message(f"Lib/{module}.py", "python", src, task)],
                 "reference": edited,
             }
         )
@@ -195,20 +254,8 @@ def agentic(n: int = 8, turns: int = 3) -> List[Dict[str, Any]]:
             f"{path}:{start + 1}:{lines[start]}",
             "\n".join(f"{k + 1}: {lines[k]}" for k in range(start, end)),
         ]
-        for t in range(min(turns, n - len(records))):
-            records.append(
-                {
-                    "id": f"agentic-{session}-{t}",
-                    "workload": "agentic",
-                    "session": f"agentic-{session}",
-                    "turn": t,
-                    "messages": [dict(m) for m in messages],
-                    "reference": answers[t],
-                }
-            )
-            messages.append({"role": "assistant", "content": answers[t]})
-            if t < len(results):
-                messages.append(_user(f"Tool result:\n{results[t]}"))
+        keep = min(turns, n - len(records))
+        records += session_records("agentic", f"agentic-{session}", messages, answers[:keep], results)
         session += 1
     return records
 
@@ -244,6 +291,134 @@ def build(name: str, n: int = 8, max_chars: int = 4000) -> List[Dict[str, Any]]:
     if name == "open-ended":
         return open_ended(n, max(200, max_chars // 2))
     raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
+
+
+#: Where the evaluation set's JSONL files are (package data).
+EVAL_SET_DIR = Path(__file__).resolve().parent.parent / "data" / "evalset"
+
+
+def _check_half(half: str) -> None:
+    if half not in (*HALVES, "all"):
+        raise ValueError(f"unknown half {half!r}; expected one of {HALVES} or 'all'")
+
+
+def eval_set(name: str, half: str = "report") -> List[Dict[str, Any]]:
+    """The evaluation set's records of workload ``name`` (one of
+    :data:`WORKLOADS`) in ``half`` (one of :data:`HALVES`, or ``"all"``),
+    in session and turn order."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
+    _check_half(half)
+    records = read_workload(EVAL_SET_DIR / f"{name}.jsonl")
+    return [r for r in records if half == "all" or r["half"] == half]
+
+
+def write_eval_set(
+    directory: str | os.PathLike, names: Optional[Sequence[str]] = None, half: str = "report"
+) -> Dict[str, Path]:
+    """Write the evaluation set's records of ``half`` as
+    ``<directory>/<name>.jsonl`` for each workload of ``names`` (default:
+    all); returns name -> path."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name in names or WORKLOADS:
+        records = eval_set(name, half)
+        paths[name] = out / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return paths
+
+
+def _eval_code_edit(source: Path) -> List[Dict[str, Any]]:
+    """Code-edit records from ``code-edit.json`` (file, path, language,
+    edit, half, instruction per request) and the files it names: the
+    reference of ``NAME.EXT`` is ``NAME.edited.EXT``."""
+    records = []
+    for entry in json.loads((source / "code-edit.json").read_text(encoding="utf-8")):
+        stem, ext = os.path.splitext(entry["file"])
+        before = (source / "code-edit" / entry["file"]).read_text(encoding="utf-8")
+        after = (source / "code-edit" / f"{stem}.edited{ext}").read_text(encoding="utf-8")
+        task = f"{entry['instruction']} Reply with the complete updated file only."
+        rid = f"code-edit-{stem.lower()}"
+        records.append(
+            {
+                "id": rid,
+                "workload": "code-edit",
+                "session": rid,
+                "turn": 0,
+                "half": entry["half"],
+                "language": entry["language"],
+                "edit": entry["edit"],
+                "messages": [code_edit_message(entry["path"], entry["language"], before, task)],
+                "reference": after,
+            }
+        )
+    return records
+
+
+def _eval_agentic(source: Path) -> List[Dict[str, Any]]:
+    """Agentic records from ``agentic.json``: per session a system prompt,
+    the user's task and turns, each a tool ``call`` (answered as its JSON)
+    with its ``result`` (text, or JSON), or a final plain-text ``answer``."""
+    records = []
+    for s in json.loads((source / "agentic.json").read_text(encoding="utf-8")):
+        answers, results = [], []
+        for turn in s["turns"]:
+            if "call" in turn:
+                answers.append(json.dumps(turn["call"]))
+                r = turn["result"]
+                results.append(r if isinstance(r, str) else json.dumps(r))
+            else:
+                answers.append(turn["answer"])
+        messages = [{"role": "system", "content": s["system"]}, _user(s["user"])]
+        records += session_records(
+            "agentic", f"agentic-{s['id']}", messages, answers, results, half=s["half"]
+        )
+    return records
+
+
+def _eval_open_ended(source: Path) -> List[Dict[str, Any]]:
+    """Open-ended records from ``open-ended.md``: sections ``## ID (HALF)``,
+    each a ``> question`` line and the answer (paragraphs unwrapped)."""
+    text = (source / "open-ended.md").read_text(encoding="utf-8")
+    records = []
+    for section in re.split(r"^## ", text, flags=re.M)[1:]:
+        head, body = section.split("\n", 1)
+        m = re.fullmatch(r"([a-z0-9-]+) \((\w+)\)", head.strip())
+        question, answer = body.strip().split("\n", 1)
+        if not m or not question.startswith("> "):
+            raise ValueError(f"open-ended.md: malformed section {head!r}")
+        paragraphs = [" ".join(p.split()) for p in answer.strip().split("\n\n")]
+        rid = f"open-ended-{m[1]}"
+        records.append(
+            {
+                "id": rid,
+                "workload": "open-ended",
+                "session": rid,
+                "turn": 0,
+                "half": m[2],
+                "messages": [_user(question[2:].strip())],
+                "reference": "\n\n".join(paragraphs),
+            }
+        )
+    return records
+
+
+def build_eval_set(source: str | os.PathLike) -> Dict[str, List[Dict[str, Any]]]:
+    """The evaluation set's records by workload, made from the sources in
+    ``source`` (the repository's ``benchmarks/evalset/``); ``ValueError``
+    on a record without a valid half."""
+    source = Path(source)
+    built = {
+        "code-edit": _eval_code_edit(source),
+        "agentic": _eval_agentic(source),
+        "open-ended": _eval_open_ended(source),
+    }
+    for records in built.values():
+        for r in records:
+            if r["half"] not in HALVES:
+                raise ValueError(f"{r['id']}: half {r['half']!r} is not one of {HALVES}")
+    return built
 
 
 def write_workloads(
@@ -285,15 +460,20 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[Tuple[int, Any]]:
 def read_workload(path: str | os.PathLike) -> List[Dict[str, Any]]:
     """Read and validate a workload JSONL; records are returned sorted by
     (session order of first appearance, turn). Missing ``id``/``session``/
-    ``turn``/``workload`` fields get defaults (each record its own session)."""
+    ``turn``/``workload`` fields get defaults (each record its own session);
+    ``ValueError`` on a repeated id."""
     path = Path(path)
     records = []
+    ids = set()
     for lineno, r in read_jsonl(path):
         if not isinstance(r, dict) or ("messages" in r) == ("prompt" in r):
             raise ValueError(f"{path}:{lineno}: need exactly one of 'messages' or 'prompt'")
         if not isinstance(r.get("reference"), str):
             raise ValueError(f"{path}:{lineno}: 'reference' must be a string")
         r.setdefault("id", f"{path.stem}-{lineno}")
+        if r["id"] in ids:
+            raise ValueError(f"{path}:{lineno}: id {r['id']!r} repeats an earlier request's")
+        ids.add(r["id"])
         r.setdefault("workload", path.stem)
         r.setdefault("session", r["id"])
         r.setdefault("turn", 0)

@@ -1,0 +1,66 @@
+import re
+from collections import Counter
+from typing import Dict, Iterable, List, Tuple
+
+WORD = re.compile(r"[A-Za-z']+")
+SENTENCE_END = re.compile(r"[.!?]+(?:\s|$)")
+
+
+def words(text: str, min_length: int = 1) -> List[str]:
+    """The words of `text` of at least `min_length` letters, lower-cased,
+    apostrophes kept."""
+    found = (w.lower().strip("'") for w in WORD.findall(text))
+    return [w for w in found if w and len(w) >= min_length]
+
+
+def word_counts(text: str, min_length: int = 1) -> Counter:
+    """How often each word of at least `min_length` letters occurs in `text`."""
+    return Counter(words(text, min_length))
+
+
+def top_words(text: str, n: int = 10, min_length: int = 1) -> List[Tuple[str, int]]:
+    """The `n` most frequent words of at least `min_length` letters, ties
+    broken alphabetically."""
+    counts = word_counts(text, min_length)
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
+
+
+def sentences(text: str) -> List[str]:
+    parts = SENTENCE_END.split(text)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def average_sentence_length(text: str) -> float:
+    found = sentences(text)
+    if not found:
+        return 0.0
+    return sum(len(words(s)) for s in found) / len(found)
+
+
+def lexical_density(text: str) -> float:
+    """Distinct words over all words (0 for empty text)."""
+    all_words = words(text)
+    return len(set(all_words)) / len(all_words) if all_words else 0.0
+
+
+def summary(text: str, min_length: int = 1) -> Dict[str, object]:
+    return {
+        "words": len(words(text)),
+        "sentences": len(sentences(text)),
+        "average_sentence_length": round(average_sentence_length(text), 2),
+        "lexical_density": round(lexical_density(text), 3),
+        "top_words": top_words(text, 5, min_length),
+    }
+
+
+def merge_counts(texts: Iterable[str], min_length: int = 1) -> Counter:
+    total: Counter = Counter()
+    for text in texts:
+        total.update(word_counts(text, min_length))
+    return total
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(summary(sys.stdin.read()))
