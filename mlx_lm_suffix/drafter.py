@@ -61,7 +61,9 @@ class Draft:
     :data:`~mlx_lm_suffix.policy.Calibration.SOURCES`).
     A copy that extends the trees' draft also keeps how many leading tokens
     the trees drafted (``tree_len``) and from what match (``tree_match``):
-    those are calibrated as the trees' draft, the rest as the copy."""
+    those are calibrated as the trees' draft, the rest as the copy.
+    ``trust``: the proposing request's own record
+    (:class:`~mlx_lm_suffix.policy.calibration.RequestTrust`), if any."""
 
     tokens: List[int] = field(default_factory=list)
     probs: List[float] = field(default_factory=list)
@@ -69,12 +71,26 @@ class Draft:
     source: str = "tree"
     tree_len: int = 0
     tree_match: int = 0
+    trust: Any = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def truncate(self, n: int) -> "Draft":
         return replace(self, tokens=self.tokens[:n], probs=self.probs[:n])
+
+    def after(self, n: int) -> "Draft":
+        """The rest of the draft once its first ``n`` tokens are committed:
+        its estimates given them, from a match ``n`` tokens longer."""
+        q = self.probs[n - 1] if n else 1.0
+        return replace(
+            self,
+            tokens=self.tokens[n:],
+            probs=[min(1.0, p / q) if q > 0 else 0.0 for p in self.probs[n:]],
+            match_len=self.match_len + n,
+            tree_len=max(0, self.tree_len - n),
+            tree_match=self.tree_match + n,
+        )
 
 
 @dataclass

@@ -32,11 +32,13 @@ positions its cache can take and roll back (:meth:`Row.cap`).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Protocol, Sequence
+from typing import List, Optional, Protocol, Sequence, Tuple
 
 from . import ranks
 from .drafter import Draft, SuffixDrafter
+from .policy.calibration import RequestTrust
 from .policy.rules import Policy
 from .stats import RequestUsage
 from .verification import accepted_length
@@ -48,7 +50,17 @@ class Row:
     it does not use the drafter, so it drafts nothing and nothing of it is
     cached), the most tokens a draft may have (``num_draft_tokens``; 0: no
     drafting), the tokens it may emit in all (``max_tokens``), and its counts
-    (``usage``), which the drafter's totals follow."""
+    (``usage``), which the drafter's totals follow.
+
+    Every draft it proposes is held against the tokens it then emits, verified
+    or not (:meth:`emit`): how far it held teaches the request's own
+    :class:`~mlx_lm_suffix.policy.calibration.RequestTrust` (``trust``, which
+    the policy's cut reads), and while the emitted tokens follow it, its rest
+    is the next draft with no new walk of the trees (:meth:`propose`). A draft
+    that held for no token beyond what a plain step gives makes the row skip
+    its next proposals, 1, 3, 7, ... steps up to the policy's
+    :meth:`~mlx_lm_suffix.policy.rules.Policy.skips`; one that held resets
+    that."""
 
     drafter: Optional[SuffixDrafter]
     req: Optional[int]
@@ -59,6 +71,18 @@ class Row:
     # The pending token is committed to the drafter already (a settled draft
     # comes after it).
     ahead: bool = False
+    trust: RequestTrust = field(default_factory=RequestTrust)
+    # The draft held against the emitted tokens: the tokens committed before
+    # it, how many it was compared with and held for, whether a plain
+    # forward was to check its first token; the proposals to skip and the
+    # next skip.
+    _draft: Optional[Draft] = None
+    _at: int = 0
+    _seen: int = 0
+    _held: int = 0
+    _pipelined: bool = False
+    _skip: int = 0
+    _backoff: int = 0
 
     def cap(self, room: float, settled: bool) -> int:
         """The most tokens a draft after the committed tokens may have: the
@@ -72,17 +96,38 @@ class Row:
         return int(min(self.num_draft_tokens, self.max_tokens - self.emitted - ahead, room - ahead))
 
     def propose(self, room: float, settled: bool) -> Draft:
-        """The drafter's draft after the committed tokens, within :meth:`cap`
-        (empty where it is below :func:`shortest`)."""
+        """The draft after the committed tokens, within :meth:`cap` (empty
+        where it is below :func:`shortest`, or while the row skips): the
+        rest of the last draft where the emitted tokens followed it and it
+        still fills half the cap, else the drafter's."""
         k = self.cap(room, settled)
         if self.req is None or k < shortest(settled):
             return Draft()
-        return self.drafter.propose(self.req, k)
+        committed = self.emitted + self.ahead
+        if self._draft is not None and self._held == self._seen == committed - self._at > 0:
+            rest = self._draft.after(self._held)
+            if len(rest) >= max(shortest(settled), k // 2):
+                return rest.truncate(k)
+        if self._skip:
+            self._skip -= 1
+            return Draft()
+        self._settle_watch()
+        draft = self.drafter.propose(self.req, k)
+        draft.trust = self.trust
+        if draft:
+            self._draft, self._at = draft, committed
+            self._seen = self._held = 0
+            self._pipelined = not settled
+        return draft
 
     def commit_ahead(self, token: int) -> None:
         """Commit the pending ``token`` before it is emitted."""
-        if self.req is not None and not self.ahead:
+        if self.ahead:
+            return
+        if self.req is not None:
             self.drafter.commit(self.req, [token])
+        if self._draft is not None:
+            self._watch([token], self.emitted)
         self.ahead = True
 
     def stepped(self, token: int) -> None:
@@ -93,11 +138,45 @@ class Row:
     def emit(self, tokens: Sequence[int], drafted: int = 0) -> None:
         """``tokens`` are emitted in order, the pending token first;
         ``drafted`` of them were accepted draft tokens."""
+        new = tokens[1:] if self.ahead else tokens
         if self.req is not None:
-            self.drafter.commit(self.req, tokens[1:] if self.ahead else tokens)
+            self.drafter.commit(self.req, new)
+        if self._draft is not None:
+            self._watch(new, self.emitted + self.ahead)
         self.ahead = False
         self.emitted += len(tokens)
         self.usage.accepted += drafted
+
+    def _watch(self, tokens: Sequence[int], start: int) -> None:
+        """Hold the watched draft against committed ``tokens``, the first of
+        them the request's ``start``-th; the request learns from each."""
+        d = self._draft
+        for i, t in enumerate(tokens, start - self._at):
+            if i < self._seen:
+                continue
+            self._seen = i + 1
+            ok = d.tokens[i] == t
+            self.trust.held(d.probs, i, ok, d.source, d.tree_len)
+            if not ok:
+                return self._settle_watch()
+            self._held = i + 1
+            if self._held == len(d):
+                return self._settle_watch()
+
+    def _settle_watch(self) -> None:
+        """The watched draft is done with (it failed, ended, or a new one
+        comes): one that held no further than a plain step would have gone
+        makes the row skip proposals."""
+        if self._draft is None:
+            return
+        self._draft = None
+        if not self._seen:
+            return
+        if self._held > self._pipelined:
+            self._backoff = 0
+        else:
+            self._skip = self._backoff
+            self._backoff = min(2 * self._backoff + 1, self.drafter.policy.skips())
 
     def take_back(self, tokens: int, drafted: int) -> None:
         """The last ``tokens`` emitted (``drafted`` of them accepted draft
@@ -177,6 +256,22 @@ def propose(rows: Sequence[Row], room: float, settled: bool) -> Optional[List[Dr
     return [row.propose(room, settled) for row in rows]
 
 
+def _drafts(rows: Sequence[Row], driver: Driver, settled: bool, budget: Optional[float],
+            proposed: Optional[List[Draft]] = None) -> Tuple[Optional[List[Draft]], List[Draft]]:
+    """The rows' proposals (:func:`propose`, unless given) and the drafts
+    the policy cuts from them (:func:`cut`); their host time per draft
+    proposed goes to the policy (:meth:`~mlx_lm_suffix.policy.rules.Policy.
+    observe_host`)."""
+    tic = time.perf_counter()
+    if proposed is None:
+        proposed = propose(rows, driver.room(), settled)
+    drafts = cut(proposed, driver, settled, budget)
+    n = sum(1 for d in proposed or () if d)
+    if n:
+        driver.policy.observe_host((time.perf_counter() - tic) / n)
+    return proposed, drafts
+
+
 def cut(drafts: Optional[List[Draft]], driver: Driver, settled: bool,
         budget: Optional[float] = None) -> List[Draft]:
     """The drafts of :func:`propose` cut to the lengths the policy verifies
@@ -238,8 +333,7 @@ def step(driver: Driver, settled: bool, budget: Optional[float] = None) -> bool:
         # where that pays; else the same draft is the pipelined step's.
         pending = driver.pending()
         rows[0].commit_ahead(pending[0])
-        early = propose(rows, driver.room(), settled=True)
-        drafts = cut(early, driver, True, budget)
+        early, drafts = _drafts(rows, driver, True, budget)
         if any(drafts):
             _verify(driver, pending, drafts, first=0)
             return True
@@ -248,8 +342,7 @@ def step(driver: Driver, settled: bool, budget: Optional[float] = None) -> bool:
         early, rows = None, driver.rows
     if not rows:
         return False
-    proposed = early if early is not None else propose(rows, driver.room(), settled=False)
-    drafts = cut(proposed, driver, False, budget)
+    _, drafts = _drafts(rows, driver, False, budget, early)
     if not any(drafts):
         return False
     sampled = driver.pending()
@@ -261,4 +354,3 @@ def step(driver: Driver, settled: bool, budget: Optional[float] = None) -> bool:
     if any(confirmed):
         _verify(driver, sampled, confirmed, first=1)
     return True
-

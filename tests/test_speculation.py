@@ -114,3 +114,93 @@ def test_the_simulator_caps_as_the_loop(setting, monkeypatch):
     assert fed and drafter.stats.accepted > 0
     assert drafter.stats.tokens == MAX_TOKENS
     assert all(at + n <= MAX_TOKENS for at, n in fed), fed
+
+
+class _WrongTail(OracleDrafter):
+    """Stock's next token, then wrong ones: every draft's first token holds
+    (the plain forward confirms it) and its tail fails. Its estimates are as
+    sure as a repeat's."""
+
+    def propose(self, req_id, max_tokens=None):
+        d = super().propose(req_id, max_tokens)
+        tokens = d.tokens[:1] + [(t + 1) % 2048 for t in d.tokens[1:]]
+        return type(d)(tokens, [0.95] * len(tokens), match_len=20)
+
+
+def _trusting(drafter):
+    """The pooled calibration as other requests' accepted repeats left it."""
+    for _ in range(50):
+        drafter.policy.calibration.update([0.95] * 8, 8, 20)
+    return drafter
+
+
+@pytest.mark.parametrize("path", ["loop", "batch"])
+def test_a_request_whose_drafts_fail_stops_being_verified(setting, path):
+    """However much the pool of earlier requests trusts such drafts, a
+    request whose own draft tails fail stops verifying them within
+    FAILED_TAILS drafts (RequestTrust: each failed tail cuts its tail
+    ratio; here a two-token forward costs 1.5 plain steps)."""
+    from mlx_lm_suffix.policy import VerifyCost
+
+    model, prompt, ref = setting
+    cost = VerifyCost({1: 1.0, 2: 1.5, 4: 2.5, 8: 4.5, 16: 8.5, 64: 32.5}, smoothing=0)
+    drafter = _trusting(_WrongTail(num_draft_tokens=16, cost=cost, policy="adaptive"))
+    drafter.set_reference(ref)
+    if path == "loop":
+        out = [t for t, _, _ in suffix_generate_step(mx.array(prompt), model, drafter,
+                                                      max_tokens=2 * MAX_TOKENS)]
+    else:
+        gen = SuffixBatchGenerator(model, drafter, stop_tokens=[])
+        gen.insert([prompt], [2 * MAX_TOKENS])
+        out = []
+        while responses := gen.next_generated():
+            out += [r.token for r in responses]
+        gen.close()
+    assert out == ref
+    verified = sum(n for k, n in drafter.stats.lengths.items() if k > 1)
+    assert 0 < verified <= FAILED_TAILS, drafter.stats.lengths
+
+
+class _WrongThenRight(_WrongTail):
+    """Failing tails for the first SWITCH tokens, stock's own after."""
+
+    def propose(self, req_id, max_tokens=None):
+        if self._done[req_id] < SWITCH:
+            return super().propose(req_id, max_tokens)
+        d = OracleDrafter.propose(self, req_id, max_tokens)
+        return type(d)(d.tokens, [0.95] * len(d), match_len=20)
+
+
+SWITCH = 16
+
+
+def test_a_request_gets_its_drafts_back_when_they_hold(setting):
+    """Once its source's drafts hold again, a request verifies them at
+    length again within a few drafts: every token it emits meanwhile is held
+    against its last draft, verified or not (here a two-token forward costs
+    1.1 plain steps, so one-token drafts, whose first token always holds,
+    are verified throughout, and longer ones only while their tails hold)."""
+    from mlx_lm_suffix.policy import VerifyCost
+
+    model, prompt, _ = setting
+    ref = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=4 * MAX_TOKENS)]
+    cost = VerifyCost({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.6, 16: 2.3, 64: 9.0}, smoothing=0)
+    drafter = _trusting(_WrongThenRight(num_draft_tokens=16, cost=cost, policy="adaptive"))
+    drafter.set_reference(ref)
+    flags = [f for _, _, f in suffix_generate_step(mx.array(prompt), model, drafter,
+                                                    max_tokens=len(ref))]
+
+    def longest_run(fs):
+        best = run = 0
+        for f in fs:
+            run = run + 1 if f else 0
+            best = max(best, run)
+        return best
+
+    assert longest_run(flags[4:SWITCH]) <= 2  # failing tails: one-token drafts
+    assert longest_run(flags[SWITCH:]) >= 6  # holding again: long drafts
+
+
+#: Drafts whose tails fail that a request verifies at most before it stops
+#: (after one, its tail ratio is half the pool's: RequestTrust).
+FAILED_TAILS = 2

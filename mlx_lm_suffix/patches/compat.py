@@ -133,7 +133,9 @@ LOOKUPS: Dict[str, Tuple[str, ...]] = {
     "mlx_lm.generate:stream_generate": ("speculative_generate_step",),
     "mlx_lm.generate:generate": ("stream_generate",),
     "mlx_lm.generate:main": ("setup_arg_parser", "generate"),
-    "mlx_lm.generate:GenerationBatch.next": ("_step",),
+    # batch: its plain step is stock's next(); SuffixGenerationBatch._emit
+    # applies next()'s per-token finish test to each accepted token.
+    "mlx_lm.generate:GenerationBatch.next": ("_step", "_num_tokens", "max_tokens", "_matchers"),
     # batch: the generation step comes first, then prefill (_prefill_ahead)
     "mlx_lm.generate:BatchGenerator._next": _PREFILL_STATE,
     "mlx_lm.server:main": ("argparse", "run"),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 #: Context tokens a long match has at least (:class:`Calibration`'s last
 #: match length bucket: a repeated request, text the answer copied before).
@@ -146,6 +146,7 @@ class Calibration:
         source: str = "tree",
         tree_len: int = 0,
         tree_match: int = 0,
+        trust: Optional["RequestTrust"] = None,
     ) -> List[float]:
         """The (cumulative) estimates as probabilities for the policy: the
         first token's scaled by its cell's ratio, then each step's (its
@@ -153,14 +154,20 @@ class Calibration:
         before it update it, at most 1, and multiplied along. ``source``:
         the draft's (:data:`SOURCES`); ``tree_len``, ``tree_match``: for a
         copy, how many leading tokens the trees drafted and from what
-        match."""
+        match; ``trust``: the request's own record, which each ratio is
+        taken through (:meth:`RequestTrust.ratio`)."""
         if not probs or probs[0] <= 0:
             return [0.0] * len(probs)
         cells = self._cells(len(probs), match_len, source, tree_len, tree_match)
-        out = [min(1.0, self._ratio(("first", *cells[0])) * probs[0])]
+        ratios: Dict[tuple, float] = {}  # a draft has a cell or two
+        for part, cell in [("first", cells[0])] + [("tail", c) for c in cells[1:]]:
+            if (part, *cell) not in ratios:
+                r = self._ratio((part, *cell))
+                ratios[(part, *cell)] = r if trust is None else trust.ratio(part, cell[0], r)
+        out = [min(1.0, ratios[("first", *cells[0])] * probs[0])]
         w = self.draft_weight
         for j, (cell, step) in enumerate(zip(cells[1:], _steps(probs))):
-            ratio = (self._ratio(("tail", *cell)) * w + j) / (w + j)
+            ratio = (ratios[("tail", *cell)] * w + j) / (w + j)
             out.append(out[-1] * min(1.0, ratio * step))
         return out
 
@@ -203,6 +210,72 @@ class Calibration:
             }
             for s in self.SOURCES
         }
+
+
+class RequestTrust:
+    """How far one request's own drafts bear out the pooled
+    :class:`Calibration`: a ratio per part and source, learnt from every
+    draft the request proposes, verified or not, held against the tokens it
+    then emits (:class:`~mlx_lm_suffix.speculation.Row` watches them).
+
+    The pooled calibration learns from every request's verified drafts, so
+    what it learns of a request arrives after that request has paid for it,
+    and a request unlike the rest (a model that rewrites what the prompt
+    holds, text the trees keep mispredicting) pays throughout. So each
+    request keeps, per part (the draft's first token, or a tail step given
+    the one before) and source, the tokens it accepted and the raw
+    estimates it was expected to (as :meth:`Calibration.update` counts
+    them), and its ratio is ``(accepted + PRIOR * pooled) / (expected +
+    PRIOR)``: the pooled ratio is the prior, worth :data:`PRIOR` expected
+    token, so the request's own first draft already moves it: after ``n``
+    drafts whose tails failed at their first step (an estimate of about 1
+    each) the tail ratio is ``pooled / (1 + n)``, and the policy verifies
+    such tails only while that still pays on the cost curve (where a
+    two-token forward costs 1.5 plain steps, a tail of estimate 0.95 no
+    longer does after one failure; where it costs 1.1, after about nine:
+    each failure then wastes a tenth of a step). Past :data:`HORIZON`
+    expected tokens both counts halve, so the ratio follows the request's
+    last few dozen tokens of drafts, and drafts that start to hold again
+    get their ratio back within a few drafts (from the floor of a failing
+    source, three drafts that hold for 8 tokens lift it past a half). A
+    draft the policy did not verify is evidence too (its tokens are held
+    against what the model emitted), so a source the policy stopped
+    verifying is verified again once its drafts hold, at no cost of the
+    device's."""
+
+    #: Expected tokens the pooled ratio is worth against the request's own.
+    PRIOR = 1.0
+    #: Halve a cell's counts past this many expected tokens.
+    HORIZON = 32.0
+
+    def __init__(self) -> None:
+        # (part, source) -> [accepted, expected]
+        self.counts: Dict[Tuple[str, str], List[float]] = {}
+
+    def ratio(self, part: str, source: str, pooled: float) -> float:
+        """The ratio of ``part`` estimates from ``source`` for this request,
+        given the pooled calibration's ``pooled``."""
+        a, e = self.counts.get((part, source), (0.0, 0.0))
+        return (a + self.PRIOR * pooled) / (e + self.PRIOR)
+
+    def held(self, probs: Sequence[float], i: int, ok: bool, source: str = "tree",
+             tree_len: int = 0) -> None:
+        """Token ``i`` of a draft with these raw estimates, reached (every
+        token before it held), held (``ok``) or not; a copy's first
+        ``tree_len`` tokens came from the trees."""
+        src = "tree" if source == "copy" and i < tree_len else source
+        if i == 0:
+            self._add(("first", src), probs[0], ok)
+        else:
+            q = probs[i - 1]
+            self._add(("tail", src), min(1.0, probs[i] / q) if q > 0 else 0.0, ok)
+
+    def _add(self, key: Tuple[str, str], expected: float, accepted: float) -> None:
+        c = self.counts.setdefault(key, [0.0, 0.0])
+        c[0] += accepted
+        c[1] += expected
+        if c[1] > self.HORIZON:
+            c[0], c[1] = c[0] * 0.5, c[1] * 0.5
 
 
 def _steps(probs: Sequence[float]) -> List[float]:

@@ -31,6 +31,10 @@ BATCH_MARGIN = 1.2
 #: at 2 tokens anyway (see :class:`Policy`).
 EXPLORE_AFTER = 256
 
+#: The most share of a request's plain steps its proposals may take while
+#: they find nothing (see :meth:`Policy.skips`).
+OVERHEAD = 0.01
+
 POLICIES = ("adaptive", "fixed")
 
 
@@ -74,6 +78,8 @@ class Policy:
         #: Where the drafts refused for their cost are counted (``refused``).
         self.stats = stats if stats is not None else DraftStats()
         self._refused = 0  # drafts refused for their cost in a row
+        #: Host seconds of a proposal and its cut (a moving average).
+        self.propose_s = 0.0
 
     @property
     def cost_aware(self) -> bool:
@@ -96,7 +102,8 @@ class Policy:
         """A :class:`~mlx_lm_suffix.drafter.Draft`'s estimates as the
         probabilities the rules take (:meth:`Calibration.scale`)."""
         return self.calibration.scale(
-            draft.probs, draft.match_len, draft.source, draft.tree_len, draft.tree_match
+            draft.probs, draft.match_len, draft.source, draft.tree_len, draft.tree_match,
+            getattr(draft, "trust", None),
         )
 
     def length(
@@ -166,6 +173,23 @@ class Policy:
             draft.tree_len,
             draft.tree_match,
         )
+
+    def observe_host(self, seconds: float) -> None:
+        """A proposal and its cut took ``seconds`` of host time."""
+        self.propose_s += (seconds - self.propose_s) * (0.1 if self.propose_s else 1.0)
+
+    def skips(self) -> int:
+        """The most steps a request whose proposals find nothing skips
+        proposing between two proposals (:class:`~mlx_lm_suffix.speculation.
+        Row`): as many as make a proposal's host time at most
+        :data:`OVERHEAD` of the plain steps it spans. Proposals hold the
+        device up where the host computes the forward (a CPU) or has not
+        queued it yet, and a request whose text repeats nothing gains
+        nothing from them; a skip misses at most that many steps of a
+        repeat that starts. None without a cost curve (the fixed policy)."""
+        if not self.cost_aware:
+            return 0
+        return int(self.propose_s / (OVERHEAD * self.cost(1)))
 
     def observe(self, n: int, seconds: float, rows: int = 1) -> None:
         """A forward of ``n`` tokens over ``rows`` rows took ``seconds``."""
