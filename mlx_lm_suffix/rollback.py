@@ -333,9 +333,8 @@ def room(cache: List[Any], limit: Optional[int] = None) -> float:
     layers = _known(cache)
     n = min((kind.room(c) for c, kind in layers), default=math.inf)
     if limit is not None:
-        if any(type(c) in BATCH for c, _ in layers):
-            longest = batch_length_bound(cache)
-        else:
+        longest = batch_length_bound(cache)
+        if longest is None:
             lengths = (kind.length(c) for c, kind in layers)
             longest = max((x for x in lengths if x is not None), default=None)
         if longest is not None:

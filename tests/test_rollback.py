@@ -101,6 +101,7 @@ def test_room_is_the_context_limit():
     sinks = RotatingKVCache(max_size=8, keep=4)  # max_kv_size's kind
     sinks.update_and_fetch(_kv([1, 2, 3]), _kv([1, 2, 3]))
     assert rollback.room([sinks]) == 4  # fed only until it would wrap
+    assert rollback.room([ArraysCache(1), c], limit=5) == 2  # state keeps no positions
     rows = BatchKVCache([1, 0])  # a batch: its longest row's
     x = _kv([0, 1, 2, 3, 4, 5]).reshape(2, 1, 3, 1)
     rows.update_and_fetch(x, x)
