@@ -3,21 +3,23 @@
 After a verification that accepts ``a`` of ``k`` drafted tokens, every layer
 cache must hold exactly the prompt plus the committed tokens, as if stock
 mlx-lm had generated them one at a time. :data:`SINGLE` and :data:`BATCH`
-map each cache class (mlx-lm 0.32.2, ``mlx_lm.models.cache``) to how its
-last ``n`` positions are undone, for one sequence and for the rows of a
-batch; a kind missing from the table cannot draft (the loops then generate
-one token per step, as stock does).
+map each cache class (mlx-lm 0.32.2, ``mlx_lm.models.cache``) to its
+:class:`Kind`, one small strategy per kind with the same methods, for one
+sequence and for the rows of a batch; the mlx-lm fields a kind touches are
+named once, in its class. A kind missing from the table cannot draft (the
+loops then generate one token per step, as stock does); a ``CacheList``
+stands for its caches, each rolled back by its own kind.
 
-Single sequence, three ways:
+Single sequence:
 
-- :data:`TRIM` (``KVCache``, ``QuantizedKVCache``, ``ConcatenateKVCache``,
+- :class:`Trim` (``KVCache``, ``QuantizedKVCache``, ``ConcatenateKVCache``,
   ``ChunkedKVCache``): drop the last ``n`` positions.
-- :data:`RESTORE` (``ArraysCache``: recurrent state, which cannot be
+- :class:`Recurrent` (``ArraysCache``: recurrent state, which cannot be
   trimmed): put back the state saved before the forward
   (:func:`checkpoint`; MLX arrays are immutable, so saving costs no copy).
   The accepted tokens are then no longer in the cache and are fed again.
-- :data:`EITHER` (``RotatingKVCache``, a sliding window): trim while it has
-  not wrapped, else restore. A window that keeps its first tokens
+- :class:`Window` (``RotatingKVCache``, a sliding window): trim while it
+  has not wrapped, else restore. A window that keeps its first tokens
   (``keep``, as ``max_kv_size`` makes it) is fed only until it would wrap
   (:func:`room`): once wrapped, a multi-token update shows the later
   positions fewer of them than one-token steps do.
@@ -25,17 +27,18 @@ Single sequence, three ways:
 When any layer restores, every layer goes back to the checkpoint (the
 trimming ones drop all positions fed since), so that all of them hold the
 same tokens; :func:`undo` then says how many of the fed tokens to feed
-again. A ``CacheList`` does this for each of its caches.
+again.
 
-Batch (:data:`BATCH`): ``BatchKVCache`` trims, rows rejecting different
-counts; a batch's ``ArraysCache`` restores, which sends every row back, to
-be fed its kept tokens again in one right-padded forward (:func:`undo_rows`,
-:func:`replay_rows`). ``BatchRotatingKVCache`` (sliding windows, or
-``max_kv_size``, in a batch) trims like ``BatchKVCache``, also once wrapped:
-a multi-token update keeps ``max_size - 1`` earlier positions plus the new
-ones in time order, so at least ``max_size`` remain once a row keeps one
-of them, which is all a one-token step after it attends. Where another
-layer restores, it restores too (:data:`EITHER`).
+Batch: :class:`Rows` (``BatchKVCache``) trims, rows rejecting different
+counts; a batch's ``ArraysCache`` restores (:class:`Recurrent`), which
+sends every row back, to be fed its kept tokens again in one right-padded
+forward (:func:`undo_rows`, :func:`replay_rows`). :class:`BatchWindow`
+(``BatchRotatingKVCache``: sliding windows, or ``max_kv_size``, in a batch)
+trims like ``BatchKVCache``, also once wrapped: a multi-token update keeps
+``max_size - 1`` earlier positions plus the new ones in time order, so at
+least ``max_size`` remain once a row keeps one of them, which is all a
+one-token step after it attends. Where another layer restores, it restores
+too.
 """
 
 from __future__ import annotations
@@ -45,38 +48,6 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models import cache as _cache
-
-TRIM, RESTORE, EITHER = "trim", "restore", "either"
-
-#: Single-sequence cache kinds and how each undoes positions.
-SINGLE: Dict[type, str] = {
-    _cache.KVCache: TRIM,
-    _cache.QuantizedKVCache: TRIM,
-    _cache.ConcatenateKVCache: TRIM,
-    _cache.ChunkedKVCache: TRIM,
-    _cache.RotatingKVCache: EITHER,
-    _cache.ArraysCache: RESTORE,
-}
-
-
-def _layers(cache: List[Any]) -> List[Any]:
-    """The caches of every layer, those of a ``CacheList`` one by one."""
-    out = []
-    for c in cache:
-        out.extend(_layers(c.caches) if type(c) is _cache.CacheList else [c])
-    return out
-
-
-def supports(cache: List[Any]) -> bool:
-    """Whether every layer of a single-sequence cache can roll back."""
-    layers = _layers(cache)
-    return bool(layers) and all(type(c) in SINGLE for c in layers)
-
-
-class Checkpoint(NamedTuple):
-    """The states of the layers that may have to restore, by layer index."""
-
-    states: Dict[int, Any]
 
 
 def _saved(state: Any) -> Any:
@@ -89,22 +60,254 @@ def _saved(state: Any) -> Any:
     return tuple([handle(x) for x in v] if isinstance(v, list) else handle(v) for v in state)
 
 
+def _restore(c: Any, saved: Any) -> None:
+    c.state = _saved(saved)  # a copy: the checkpoint may serve again
+
+
+class Kind:
+    """How the caches of one kind roll back: the protocol of every entry of
+    :data:`SINGLE` and :data:`BATCH`. The defaults are those of a kind that
+    can drop its last positions at any time and so saves nothing."""
+
+    def save(self, c: Any) -> Any:
+        """What to save right before a forward that may be undone (``None``:
+        nothing, it will trim)."""
+        return None
+
+    def can_trim(self, c: Any) -> bool:
+        """Whether it can drop its last positions now (else it goes back to
+        its checkpoint)."""
+        return True
+
+    def trim(self, c: Any, n: int) -> None:
+        """Drop the last ``n`` positions (of every row, in a batch)."""
+        if n and c.trim(n) != n:
+            raise RuntimeError(f"{type(c).__name__} trimmed fewer than {n} positions")
+
+    def rewind(self, c: Any, saved: Any, fed: int) -> None:
+        """Go back to where ``saved`` (what :meth:`save` returned) was taken,
+        ``fed`` positions ago."""
+        self.trim(c, fed)
+
+    def trim_rows(self, c: Any, n: int, extra: Sequence[int]) -> None:
+        """A batch: drop every row's last ``n`` positions and roll row
+        ``i``'s last ``extra[i]`` into its left padding (the attention mask
+        ignores it). Only where :meth:`can_trim`."""
+        raise NotImplementedError(f"{type(c).__name__} has no rows to trim")
+
+    def finalize(self, c: Any) -> None:
+        """A batch: ``c.finalize()`` after ``prepare`` with right padding."""
+        c.finalize()
+
+    def room(self, c: Any) -> float:
+        """How many more positions it can take and still roll back."""
+        return math.inf
+
+    def length(self, c: Any) -> Optional[int]:
+        """A bound on the length of its longest sequence, read without
+        waiting for a queued forward (``None``: it keeps no positions)."""
+        return None
+
+    def replays(self, c: Any, n: int) -> bool:
+        """Whether undoing a forward of ``n`` more positions may restore it
+        (and so feed the kept tokens again)."""
+        return False
+
+
+class Trim(Kind):
+    """``KVCache``, ``QuantizedKVCache``, ``ConcatenateKVCache``,
+    ``ChunkedKVCache``: drop the last positions."""
+
+    # mlx-lm 0.32.2 fields: offset (positions held, an int).
+
+    def length(self, c: Any) -> Optional[int]:
+        return c.offset
+
+
+class Window(Kind):
+    """``RotatingKVCache``: trim while it has not wrapped, else restore; one
+    that keeps its first tokens is fed only until it would wrap."""
+
+    # mlx-lm 0.32.2 fields: offset (positions fed, an int), max_size (the
+    # window), keep (first positions never evicted; max_kv_size's window).
+
+    def save(self, c: Any) -> Any:
+        return _saved(c.state)
+
+    def can_trim(self, c: Any) -> bool:
+        return c.is_trimmable()
+
+    def rewind(self, c: Any, saved: Any, fed: int) -> None:
+        if self.can_trim(c):
+            self.trim(c, fed)
+        else:
+            _restore(c, saved)
+
+    def room(self, c: Any) -> float:
+        return c.max_size - c.offset - 1 if c.keep else math.inf
+
+    def length(self, c: Any) -> Optional[int]:
+        return c.offset
+
+    def replays(self, c: Any, n: int) -> bool:
+        return c.offset + n >= c.max_size
+
+
+class Recurrent(Kind):
+    """``ArraysCache`` (one sequence's or a batch's recurrent state): never
+    trims; restores the state saved before the forward."""
+
+    # mlx-lm 0.32.2 fields: none beyond ``state``.
+
+    def save(self, c: Any) -> Any:
+        return _saved(c.state)
+
+    def can_trim(self, c: Any) -> bool:
+        return False
+
+    def rewind(self, c: Any, saved: Any, fed: int) -> None:
+        _restore(c, saved)
+
+    def replays(self, c: Any, n: int) -> bool:
+        return True
+
+
+class Rows(Kind):
+    """``BatchKVCache``: trim every row, rolling each row's extra rejected
+    positions into its left padding (the move ``finalize`` makes for
+    right-padded prompts)."""
+
+    # mlx-lm 0.32.2 fields: _idx (the buffer's filled length, an int, so
+    # read without waiting: each row's ``offset`` is an array the queued
+    # forward produces), left_padding (per row, an array).
+
+    def trim_rows(self, c: Any, n: int, extra: Sequence[int]) -> None:
+        self.trim(c, n)
+        if any(extra):
+            c.prepare(right_padding=list(extra))
+            self.finalize(c)
+
+    def length(self, c: Any) -> Optional[int]:
+        return c._idx
+
+    def padding(self, c: Any) -> int:
+        """The left padding every row holds (:func:`compact`; waits for
+        the forwards queued on the cache)."""
+        return min(c.left_padding.tolist())
+
+
+class BatchWindow(Kind):
+    """``BatchRotatingKVCache``: trim every row as :class:`Rows` does, also
+    once wrapped; restore where another layer restores."""
+
+    # mlx-lm 0.32.2 fields: keys, values (the buffer), _idx (its write index),
+    # _offset (an int: positions fed, padding included, since the batch
+    # cache was made; merge starts it at the buffer's length), left_padding
+    # (per row, an array), _temporal_order() (the buffer put in time order).
+
+    def save(self, c: Any) -> Any:
+        # In time order first, as its multi-token update would do (so at no
+        # extra cost): make_mask builds the mask before that update, from
+        # the rotated buffer, and then masks one position too many of a row
+        # still holding left padding.
+        c._temporal_order()
+        return _saved(c.state)
+
+    def rewind(self, c: Any, saved: Any, fed: int) -> None:
+        _restore(c, saved)
+
+    def trim_rows(self, c: Any, n: int, extra: Sequence[int]) -> None:
+        self.trim(c, n)
+        # Its multi-token update left the buffer in time order; mlx-lm's next
+        # one-token update sizes the window by the buffer, so drop the tail.
+        c.keys, c.values = c.keys[..., : c._idx, :], c.values[..., : c._idx, :]
+        if any(extra):
+            # finalize rolls each row by how far its offset then is past its
+            # offset now plus ``lengths``: by ``extra``.
+            c.prepare(lengths=[-e for e in extra], right_padding=list(extra))
+            self.finalize(c)
+
+    def finalize(self, c: Any) -> None:
+        # From no left padding where its count went negative (a wrapped row's
+        # padding is gone; finalize adds the rolled positions to the count,
+        # which then misses them).
+        c.left_padding = mx.maximum(c.left_padding, 0)
+        c.finalize()
+
+    def length(self, c: Any) -> Optional[int]:
+        return c._offset
+
+
+TRIM, WINDOW, RECURRENT, ROWS, BATCH_WINDOW = Trim(), Window(), Recurrent(), Rows(), BatchWindow()
+
+#: Single-sequence cache kinds.
+SINGLE: Dict[type, Kind] = {
+    _cache.KVCache: TRIM,
+    _cache.QuantizedKVCache: TRIM,
+    _cache.ConcatenateKVCache: TRIM,
+    _cache.ChunkedKVCache: TRIM,
+    _cache.RotatingKVCache: WINDOW,
+    _cache.ArraysCache: RECURRENT,
+}
+
+#: Batch cache kinds.
+BATCH: Dict[type, Kind] = {
+    _cache.BatchKVCache: ROWS,
+    _cache.BatchRotatingKVCache: BATCH_WINDOW,
+    _cache.ArraysCache: RECURRENT,
+}
+
+_ANY: Dict[type, Kind] = {**SINGLE, **BATCH}
+
+
+def _layers(cache: List[Any]) -> List[Any]:
+    """The caches of every layer, those of a ``CacheList`` one by one."""
+    out = []
+    for c in cache:
+        # mlx-lm 0.32.2 fields: CacheList.caches.
+        out.extend(_layers(c.caches) if type(c) is _cache.CacheList else [c])
+    return out
+
+
+def _kinds(cache: List[Any], table: Dict[type, Kind]) -> List[Tuple[Any, Kind]]:
+    """Every layer with its kind in ``table`` (``KeyError``: a kind it lacks)."""
+    return [(c, table[type(c)]) for c in _layers(cache)]
+
+
+def _known(cache: List[Any]) -> List[Tuple[Any, Kind]]:
+    """Every layer of a known kind, one sequence's or a batch's, with it."""
+    return [(c, _ANY[type(c)]) for c in _layers(cache) if type(c) in _ANY]
+
+
+def supports(cache: List[Any]) -> bool:
+    """Whether every layer of a single-sequence cache can roll back."""
+    layers = _layers(cache)
+    return bool(layers) and all(type(c) in SINGLE for c in layers)
+
+
+def supports_batch(cache: List[Any]) -> bool:
+    """Whether every layer of a batch cache can roll rows back."""
+    layers = _layers(cache)
+    return bool(layers) and all(type(c) in BATCH for c in layers)
+
+
+class Checkpoint(NamedTuple):
+    """The states of the layers that may have to restore, by layer index."""
+
+    states: Dict[int, Any]
+
+
 def checkpoint(cache: List[Any]) -> Checkpoint:
     """Save what :func:`undo` or :func:`undo_rows` needs, right before a
-    forward of more than one position (no copy).
+    forward of more than one position (no copy)."""
+    saved = (kind.save(c) for c, kind in _kinds(cache, _ANY))
+    return Checkpoint({i: s for i, s in enumerate(saved) if s is not None})
 
-    A wrapped ``BatchRotatingKVCache`` is put in time order first, as its
-    multi-token update would do (so at no extra cost): mlx-lm 0.32.2's
-    ``make_mask`` builds the mask before that update, from the rotated
-    buffer, and then masks one position too many of a row still holding
-    left padding."""
-    kinds = {**SINGLE, **BATCH}
-    for c in _layers(cache):
-        if type(c) is _cache.BatchRotatingKVCache:
-            c._temporal_order()
-    return Checkpoint(
-        {i: _saved(c.state) for i, c in enumerate(_layers(cache)) if kinds[type(c)] != TRIM}
-    )
+
+def _rewind(layers: List[Tuple[Any, Kind]], saved: Checkpoint, fed: int) -> None:
+    """Every layer back to the checkpoint, ``fed`` positions ago."""
+    for i, (c, kind) in enumerate(layers):
+        kind.rewind(c, saved.states.get(i), fed)
 
 
 def undo(cache: List[Any], saved: Checkpoint, fed: int, rejected: int) -> int:
@@ -114,34 +317,26 @@ def undo(cache: List[Any], saved: Checkpoint, fed: int, rejected: int) -> int:
     rejected`` (every layer is back at the checkpoint)."""
     if rejected <= 0:
         return 0
-    layers = _layers(cache)
-    if all(SINGLE[type(c)] == TRIM or c.is_trimmable() for c in layers):
-        for c in layers:
-            _trim(c, rejected)
+    layers = _kinds(cache, SINGLE)
+    if all(kind.can_trim(c) for c, kind in layers):
+        for c, kind in layers:
+            kind.trim(c, rejected)
         return 0
-    for i, c in enumerate(layers):
-        if i in saved.states and (SINGLE[type(c)] == RESTORE or not c.is_trimmable()):
-            c.state = _saved(saved.states[i])  # a copy: the checkpoint may serve again
-        else:
-            _trim(c, fed)
+    _rewind(layers, saved, fed)
     return fed - rejected
 
 
 def room(cache: List[Any], limit: Optional[int] = None) -> float:
     """How many more positions a cache (one sequence's, or a batch's) can
     take and still be rolled back, within the context ``limit`` (a batch:
-    its longest row's)."""
-    layers = _layers(cache)
-    n = min(
-        (c.max_size - c.offset - 1 for c in layers if type(c) is _cache.RotatingKVCache and c.keep),
-        default=math.inf,
-    )
+    its longest row's, :func:`batch_length_bound`)."""
+    layers = _known(cache)
+    n = min((kind.room(c) for c, kind in layers), default=math.inf)
     if limit is not None:
-        if any(type(c) in BATCH for c in layers):
-            longest = batch_length_bound(cache)
-        else:
-            offsets = [c.offset for c in layers if isinstance(getattr(c, "offset", None), int)]
-            longest = max(offsets, default=None)
+        longest = batch_length_bound(cache)
+        if longest is None:
+            lengths = (kind.length(c) for c, kind in layers)
+            longest = max((x for x in lengths if x is not None), default=None)
         if longest is not None:
             n = min(n, limit - longest)
     return n
@@ -151,24 +346,13 @@ def replays(cache: List[Any], n: int) -> bool:
     """Whether a rejection after feeding ``n`` more positions may cost
     feeding the kept tokens again (:func:`undo`, :func:`undo_rows`): a
     layer restores, or a single sequence's window would wrap."""
-    for c in _layers(cache):
-        kind = SINGLE.get(type(c)) or BATCH.get(type(c))
-        if kind == RESTORE:
-            return True
-        if type(c) is _cache.RotatingKVCache and c.offset + n >= c.max_size:
-            return True
-    return False
+    return any(kind.replays(c, n) for c, kind in _known(cache))
 
 
 def describe(cache: List[Any]) -> str:
     """The cache kinds that cannot roll back, for messages."""
     names = {type(c).__name__ for c in _layers(cache) if type(c) not in SINGLE}
     return ", ".join(sorted(names or {type(c).__name__ for c in cache}))
-
-
-def _trim(c: Any, n: int) -> None:
-    if n and c.trim(n) != n:
-        raise RuntimeError(f"{type(c).__name__} trimmed fewer than {n} positions")
 
 
 def plan(rejected: Sequence[int]) -> Tuple[int, List[int]]:
@@ -178,21 +362,6 @@ def plan(rejected: Sequence[int]) -> Tuple[int, List[int]]:
         return 0, []
     common = min(rejected)
     return common, [r - common for r in rejected]
-
-
-#: Batch cache kinds and how each undoes positions (per row for ``TRIM``;
-#: ``EITHER``: per row where every layer trims, else restore).
-BATCH: Dict[type, str] = {
-    _cache.BatchKVCache: TRIM,
-    _cache.BatchRotatingKVCache: EITHER,
-    _cache.ArraysCache: RESTORE,
-}
-
-
-def supports_batch(cache: List[Any]) -> bool:
-    """Whether every layer of a batch cache can roll rows back."""
-    layers = _layers(cache)
-    return bool(layers) and all(type(c) in BATCH for c in layers)
 
 
 def undo_rows(cache: List[Any], saved: Checkpoint, fed: int, rejected: Sequence[int]) -> bool:
@@ -208,48 +377,14 @@ def undo_rows(cache: List[Any], saved: Checkpoint, fed: int, rejected: Sequence[
     every row rejects the same count)."""
     if not any(rejected):
         return False
-    layers = _layers(cache)
-    common, extra = plan(rejected)
-    if not any(BATCH[type(c)] == RESTORE for c in layers):
-        for c in layers:
-            _trim_rows(c, common, extra)
+    layers = _kinds(cache, BATCH)
+    if all(kind.can_trim(c) for c, kind in layers):
+        common, extra = plan(rejected)
+        for c, kind in layers:
+            kind.trim_rows(c, common, extra)
         return False
-    for i, c in enumerate(layers):
-        if i in saved.states:
-            c.state = _saved(saved.states[i])  # a copy: the checkpoint may serve again
-        else:
-            _trim(c, fed)
+    _rewind(layers, saved, fed)
     return True
-
-
-def _trim_rows(c: Any, n: int, extra: Sequence[int]) -> None:
-    """Trim every row of a batch cache by ``n`` and roll row ``i``'s last
-    ``extra[i]`` positions into its left padding."""
-    _trim(c, n)
-    window = type(c) is _cache.BatchRotatingKVCache
-    if window:
-        # Its multi-token update left the buffer in time order; mlx-lm's next
-        # one-token update sizes the window by the buffer, so drop the tail.
-        c.keys, c.values = c.keys[..., : c._idx, :], c.values[..., : c._idx, :]
-    if not any(extra):
-        return
-    if window:
-        # finalize rolls each row by how far its offset then is past its
-        # offset now plus ``lengths``: by ``extra``.
-        c.prepare(lengths=[-e for e in extra], right_padding=list(extra))
-    else:
-        c.prepare(right_padding=list(extra))
-    _finalize(c)
-
-
-def _finalize(c: Any) -> None:
-    """``c.finalize()``, a sliding window's from no left padding where its
-    count went negative (a wrapped row's padding is gone; mlx-lm 0.32.2
-    adds the rolled positions to the count, which then misses them)."""
-    for layer in _layers([c]):
-        if type(layer) is _cache.BatchRotatingKVCache:
-            layer.left_padding = mx.maximum(layer.left_padding, 0)
-        layer.finalize()
 
 
 def replay_rows(model: Any, cache: List[Any], tokens: Sequence[Sequence[int]]) -> None:
@@ -259,19 +394,20 @@ def replay_rows(model: Any, cache: List[Any], tokens: Sequence[Sequence[int]]) -
     width = max(lengths)
     padding = [width - n for n in lengths]
     inputs = mx.array([list(t) + [0] * p for t, p in zip(tokens, padding)], dtype=mx.uint32)
+    layers = _kinds(cache, BATCH)
     if any(padding):
-        for c in cache:
+        for c, _ in layers:
             c.prepare(lengths=lengths, right_padding=padding)
     model(inputs, cache=cache)
     if any(padding):
-        for c in cache:
-            _finalize(c)
+        for c, kind in layers:
+            kind.finalize(c)
 
 
 def kv_rows(cache: List[Any]) -> List[Any]:
     """The ``BatchKVCache`` layers of a batch cache (rolled rows leave left
     padding there)."""
-    return [c for c in _layers(cache) if type(c) is _cache.BatchKVCache]
+    return [c for c in _layers(cache) if BATCH.get(type(c)) is ROWS]
 
 
 def compact(cache: List[Any], rows: int, min_padding: int) -> bool:
@@ -280,10 +416,10 @@ def compact(cache: List[Any], rows: int, min_padding: int) -> bool:
     ``BatchKVCache`` layers, and their ``filter`` drops it; a copy of the
     cache, so not every step). Returns whether it did."""
     padded = kv_rows(cache)
-    if not padded or min(padded[0].left_padding.tolist()) < min_padding:
+    if not padded or ROWS.padding(padded[0]) < min_padding:
         return False
     keep = list(range(rows))
-    for c in cache:
+    for c in _layers(cache):
         c.filter(keep)
     return True
 
@@ -291,13 +427,12 @@ def compact(cache: List[Any], rows: int, min_padding: int) -> bool:
 def batch_length_bound(cache: List[Any]) -> Optional[int]:
     """A bound on the length of the longest row of a batch cache (``None``
     for a cache with no positions, e.g. recurrent state alone), read
-    without waiting for the forwards queued on it: mlx-lm 0.32.2 keeps each
-    row's length in ``offset``, an array that the queued forward's own
-    update produces (reading it waits for that), and the filled length of
-    the buffer in an int, ``BatchKVCache._idx`` (``BatchRotatingKVCache``:
-    every position fed, ``_offset``)."""
-    kv = kv_rows(cache)
-    if kv:
-        return kv[0]._idx
-    windows = [c for c in _layers(cache) if type(c) is _cache.BatchRotatingKVCache]
-    return windows[0]._offset if windows else None
+    without waiting for the forwards queued on it: a ``BatchKVCache``
+    layer's filled buffer, else a ``BatchRotatingKVCache``'s count of every
+    position fed (:meth:`Kind.length`)."""
+    layers = _layers(cache)
+    for kind in (ROWS, BATCH_WINDOW):
+        for c in layers:
+            if BATCH.get(type(c)) is kind:
+                return kind.length(c)
+    return None

@@ -101,6 +101,23 @@ def test_room_is_the_context_limit():
     sinks = RotatingKVCache(max_size=8, keep=4)  # max_kv_size's kind
     sinks.update_and_fetch(_kv([1, 2, 3]), _kv([1, 2, 3]))
     assert rollback.room([sinks]) == 4  # fed only until it would wrap
+    assert rollback.room([ArraysCache(1), c], limit=5) == 2  # state keeps no positions
+    rows = BatchKVCache([1, 0])  # a batch: its longest row's
+    x = _kv([0, 1, 2, 3, 4, 5]).reshape(2, 1, 3, 1)
+    rows.update_and_fetch(x, x)
+    assert rollback.room([ArraysCache(1), rows], limit=5) == 2
+    assert rollback.room([ArraysCache(1)], limit=5) == float("inf")
+
+
+def test_compact_drops_shared_padding():
+    c = BatchKVCache([2, 3])
+    x = _kv(list(range(10))).reshape(2, 1, 5, 1)
+    c.update_and_fetch(x, x)
+    layers = [CacheList(c, ArraysCache(1))]
+    assert not rollback.compact(layers, 2, 3)
+    assert rollback.compact(layers, 2, 2)
+    assert c.left_padding.tolist() == [0, 1]
+    assert c.extract(1).keys.flatten().tolist() == [8, 9]
 
 
 def test_undo_restores_what_cannot_trim():

@@ -55,10 +55,12 @@ SIGNATURES: Dict[str, Optional[str]] = {
     "mlx_lm.models.cache:ConcatenateKVCache.trim": "self, n",
     "mlx_lm.models.cache:ChunkedKVCache.trim": "self, n",
     "mlx_lm.models.cache:RotatingKVCache.trim": "self, n",
+    "mlx_lm.models.cache:RotatingKVCache.is_trimmable": "self",
     "mlx_lm.models.cache:RotatingKVCache.state": None,
     "mlx_lm.models.cache:ArraysCache.state": None,
     "mlx_lm.models.cache:ArraysCache.prepare": "self, lengths, **kwargs",
     "mlx_lm.models.cache:ArraysCache.finalize": "self",
+    "mlx_lm.models.cache:ArraysCache.filter": "self, batch_indices",
     "mlx_lm.models.cache:BatchRotatingKVCache.trim": "self, n",
     "mlx_lm.models.cache:BatchRotatingKVCache.state": None,
     "mlx_lm.models.cache:BatchRotatingKVCache.prepare": (
@@ -66,6 +68,7 @@ SIGNATURES: Dict[str, Optional[str]] = {
     ),
     "mlx_lm.models.cache:BatchRotatingKVCache.finalize": "self",
     "mlx_lm.models.cache:BatchRotatingKVCache._temporal_order": "self",
+    "mlx_lm.models.cache:BatchRotatingKVCache.filter": "self, batch_indices",
 
     # batch, verification
     "mlx_lm.generate:GenerationBatch": (
@@ -176,6 +179,11 @@ ATTRIBUTES: Dict[str, Tuple[str, ...]] = {
         "max_kv_size",
         *_PREFILL_STATE,
     ),
+    # rollback: the fields each cache kind's strategy reads or sets
+    "mlx_lm.models.cache:KVCache.__init__": ("offset",),
+    "mlx_lm.models.cache:QuantizedKVCache.__init__": ("offset",),
+    "mlx_lm.models.cache:ConcatenateKVCache.__init__": ("offset",),
+    "mlx_lm.models.cache:ChunkedKVCache.__init__": ("offset",),
     "mlx_lm.models.cache:BatchKVCache.__init__": ("left_padding", "offset", "_idx"),
     "mlx_lm.models.cache:RotatingKVCache.__init__": ("keep", "offset", "max_size"),
     "mlx_lm.models.cache:BatchRotatingKVCache.__init__": (
