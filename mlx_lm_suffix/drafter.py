@@ -360,13 +360,16 @@ class SuffixDrafter:
         accepted: int = 0,
         steps: int = 1,
         draft: Optional[Draft] = None,
+        host_s: float = 0.0,
     ) -> None:
         """Count target forwards and the draft tokens they verified/accepted:
         the first ``drafted`` tokens of ``draft`` (whose estimates calibrate
-        the policy). (Committed tokens are counted by :meth:`commit`.)"""
+        the policy), and ``host_s`` seconds of drafting and pricing.
+        (Committed tokens are counted by :meth:`commit`.)"""
         with self._lock:
             probs = draft.probs[:drafted] if draft is not None else []
             self.stats.count(drafted, accepted, steps, probs)
+            self.stats.host_s += host_s
             if drafted and draft is not None:
                 self.policy.record(draft, drafted, accepted)
 

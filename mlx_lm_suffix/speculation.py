@@ -83,6 +83,8 @@ class Row:
     _pipelined: bool = False
     _skip: int = 0
     _backoff: int = 0
+    # Host seconds of drafting not yet in the drafter's totals.
+    _host: float = 0.0
 
     def cap(self, room: float, settled: bool) -> int:
         """The most tokens a draft after the committed tokens may have: the
@@ -112,7 +114,9 @@ class Row:
             self._skip -= 1
             return Draft()
         self._settle_watch()
+        tic = time.perf_counter()
         draft = self.drafter.propose(self.req, k)
+        self._host += time.perf_counter() - tic
         draft.trust = self.trust
         if draft:
             self._draft, self._at = draft, committed
@@ -140,7 +144,9 @@ class Row:
         ``drafted`` of them were accepted draft tokens."""
         new = tokens[1:] if self.ahead else tokens
         if self.req is not None:
+            tic = time.perf_counter()
             self.drafter.commit(self.req, new)
+            self._host += time.perf_counter() - tic
         if self._draft is not None:
             self._watch(new, self.emitted + self.ahead)
         self.ahead = False
@@ -194,7 +200,9 @@ class Row:
             return
         self.usage.steps += steps
         self.usage.drafted += drafted
-        self.drafter.record(drafted=drafted, accepted=accepted, steps=steps, draft=draft)
+        self.usage.host_s += self._host
+        self.drafter.record(drafted, accepted, steps, draft, self._host)
+        self._host = 0.0
 
     def replayed(self, tokens: int) -> None:
         """Count a replay: the cache went back and was fed ``tokens`` again."""
@@ -265,10 +273,14 @@ def _drafts(rows: Sequence[Row], driver: Driver, settled: bool, budget: Optional
     tic = time.perf_counter()
     if proposed is None:
         proposed = propose(rows, driver.room(), settled)
+    cutting = time.perf_counter()
     drafts = cut(proposed, driver, settled, budget)
     n = sum(1 for d in proposed or () if d)
     if n:
-        driver.policy.observe_host((time.perf_counter() - tic) / n)
+        done = time.perf_counter()
+        driver.policy.observe_host((done - tic) / n)
+        for row, d in zip(rows, proposed):
+            row._host += (done - cutting) / n if d else 0.0
     return proposed, drafts
 
 
@@ -314,12 +326,27 @@ def accept(row: Row, draft: Draft, first: int, targets: Sequence[int]) -> int:
     return a
 
 
-def _verify(driver: Driver, pending: Sequence[int], drafts: List[Draft], first: int) -> None:
+def _verify(driver: Driver, pending: Sequence[int], drafts: List[Draft], first: int,
+            idle: float) -> None:
+    """Verify the drafts (``pending``: each row's first input); ``idle``:
+    when the device last waited for the host."""
     rows = driver.rows
     inputs = [[p] + d.tokens[first:] for p, d in zip(pending, drafts)]
+    _idle(driver, idle)
     targets = driver.verify(inputs)
+    result = time.perf_counter()
     accepted = [accept(r, d, first, t) for r, d, t in zip(rows, drafts, targets)]
     driver.keep(accepted, [first if d else 0 for d in drafts])
+    _idle(driver, result, wait=True)
+
+
+def _idle(driver: Driver, since: Optional[float], wait: bool = False) -> None:
+    """The device has waited for the host since ``since`` (None: it has
+    not): counted in the drafter's totals (``wait``: a new wait began)."""
+    stats = driver.policy.stats
+    stats.waits += wait
+    if since is not None:
+        stats.idle_s += time.perf_counter() - since
 
 
 def step(driver: Driver, settled: bool, budget: Optional[float] = None) -> bool:
@@ -331,12 +358,14 @@ def step(driver: Driver, settled: bool, budget: Optional[float] = None) -> bool:
     if settled and len(rows) == 1:
         # Settled, one row: draft after its pending token, verify both now
         # where that pays; else the same draft is the pipelined step's.
+        since = time.perf_counter()
         pending = driver.pending()
         rows[0].commit_ahead(pending[0])
         early, drafts = _drafts(rows, driver, True, budget)
         if any(drafts):
-            _verify(driver, pending, drafts, first=0)
+            _verify(driver, pending, drafts, 0, since)
             return True
+        _idle(driver, since)
     driver.plain()
     if driver.rows != rows:  # rows finished: their drafts go with them
         early, rows = None, driver.rows
@@ -346,11 +375,15 @@ def step(driver: Driver, settled: bool, budget: Optional[float] = None) -> bool:
     if not any(drafts):
         return False
     sampled = driver.pending()
+    since = time.perf_counter()
+    _idle(driver, None, wait=True)
     confirmed = check(rows, drafts, sampled)
     dropped = any(c is not d for c, d in zip(confirmed, drafts))
     if len(rows) > 1 and dropped and any(confirmed):
         # One width for the batch: chosen again for the confirmed drafts.
         confirmed = cut(confirmed, driver, False, budget)
     if any(confirmed):
-        _verify(driver, sampled, confirmed, first=1)
+        _verify(driver, sampled, confirmed, 1, since)
+    else:
+        _idle(driver, since)
     return True

@@ -86,6 +86,14 @@ class DraftStats(Counters):
     #: Drafts of 2 or more tokens (a batch: steps with drafts) the policy did
     #: not verify because verifying them would not pay.
     refused: int = 0
+    #: Host seconds of drafting and pricing: the drafter's walks and
+    #: commits, the policy's cuts.
+    host_s: float = 0.0
+    #: Waits for the device (a verification, or a plain forward that checks
+    #: drafts' first tokens), and the host seconds after them before the
+    #: next forward was queued (the device idle, on a GPU), in this code.
+    waits: int = 0
+    idle_s: float = 0.0
     #: Sum of the trees' probability estimates over verified draft tokens.
     expected: float = 0.0
     #: Verified draft length -> number of steps.
@@ -107,6 +115,8 @@ class DraftStats(Counters):
         d["acceptance_rate"] = _ratio(self.accepted, self.drafted)
         d["expected_acceptance_rate"] = _ratio(self.expected, self.drafted)
         d["tokens_per_step"] = _ratio(self.tokens, self.steps)
+        d["host_us_per_step"] = 1e6 * _ratio(self.host_s, self.steps)
+        d["idle_us_per_wait"] = 1e6 * _ratio(self.idle_s, self.waits)
         return d
 
 
@@ -122,6 +132,8 @@ class RequestUsage(Counters):
     steps: int = 0
     replays: int = 0
     replayed_tokens: int = 0
+    #: Host seconds of the request's drafting (see :class:`DraftStats`).
+    host_s: float = 0.0
 
 
 @dataclass

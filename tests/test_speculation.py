@@ -204,3 +204,16 @@ def test_a_request_gets_its_drafts_back_when_they_hold(setting):
 #: Drafts whose tails fail that a request verifies at most before it stops
 #: (after one, its tail ratio is half the pool's: RequestTrust).
 FAILED_TAILS = 2
+
+
+def test_host_work_and_waits_are_counted(setting):
+    """The drafter's totals say how much host time drafting and pricing
+    took per step and how long, after each wait for the device, the host
+    took to queue the next forward."""
+    model, prompt, ref = setting
+    drafter = _oracle(ref)
+    list(suffix_generate_step(mx.array(prompt), model, drafter, max_tokens=MAX_TOKENS))
+    snap = drafter.snapshot()
+    assert snap["waits"] > 0 and snap["idle_s"] > 0 and snap["host_s"] > 0
+    assert snap["host_us_per_step"] == pytest.approx(1e6 * snap["host_s"] / snap["steps"])
+    assert snap["idle_us_per_wait"] == pytest.approx(1e6 * snap["idle_s"] / snap["waits"])

@@ -18,4 +18,6 @@ def test_delta_and_merge():
     assert (b.verify_steps, b.max_batch_size, b.as_dict()["mean_verify_batch_size"]) == (2, 4, 3.0)
     u = RequestUsage(drafted=3)
     u.merge(RequestUsage(drafted=1, accepted=1))
-    assert u.as_dict() == {"drafted": 4, "accepted": 1, "steps": 0, "replays": 0, "replayed_tokens": 0}
+    assert u.as_dict() == {
+        "drafted": 4, "accepted": 1, "steps": 0, "replays": 0, "replayed_tokens": 0, "host_s": 0.0
+    }

@@ -65,6 +65,8 @@ def format_stats(stats: dict) -> str:
     )
     if stats.get("refused"):
         line += f"; {stats['refused']} drafts not verified: they would not pay"
+    if stats.get("steps"):
+        line += f"; drafting took {stats['host_us_per_step']:.0f} us/step of host time"
     return line
 
 
