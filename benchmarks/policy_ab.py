@@ -43,21 +43,6 @@ class NoSource(calibration.Calibration):
         return [("tree", self.bucket(match_len))] * n
 
 
-class NoLongMatch(SuffixDrafter):
-    """The trees' best draft only (no preference for a long match)."""
-
-    def _speculate(self, req_id, req, limit):
-        d = self._trees[req.scope].speculate(
-            req_id,
-            req.context[-self.max_tree_depth :],
-            max_spec_tokens=limit,
-            max_spec_factor=self.max_spec_factor,
-            max_spec_offset=self.max_spec_offset,
-            min_token_prob=self.min_token_prob,
-        )
-        return list(d.token_ids), list(d.probs), int(d.match_len)
-
-
 class NoCopy(copying.PromptCopy):
     """No prompt copies."""
 
@@ -70,7 +55,6 @@ VARIANTS = {
     "current": (SuffixDrafter, calibration.Calibration, copying.PromptCopy),
     "unscaled": (SuffixDrafter, Unscaled, copying.PromptCopy),
     "no-source": (SuffixDrafter, NoSource, copying.PromptCopy),
-    "no-long-match": (NoLongMatch, calibration.Calibration, copying.PromptCopy),
     "no-copy": (SuffixDrafter, calibration.Calibration, NoCopy),
 }
 

@@ -53,7 +53,7 @@ class CumulativeTail(Calibration):
     def __init__(self):
         super().__init__(short_tail_ratio=1.0)
 
-    def scale(self, probs, match_len, source="tree", tree_len=0, tree_match=0):
+    def scale(self, probs, match_len, source="tree", tree_len=0, tree_match=0, trust=None):
         if not probs or probs[0] <= 0:
             return [0.0] * len(probs)
         cells = self._cells(len(probs), match_len, source, tree_len, tree_match)
@@ -157,6 +157,7 @@ def main() -> None:
     ap.add_argument("--outputs", default=None, help="cache of the outputs (default: under build/)")
     ap.add_argument("--group", type=int, default=2, help="requests per fresh drafter")
     ap.add_argument("--reference", action="store_true", help="replay the reference answers instead")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
     args = ap.parse_args()
     if args.reference:
         data = reference_answers(args.n, args.max_tokens)
@@ -173,7 +174,8 @@ def main() -> None:
     for curve in CURVES:
         for w, recs in data.items():
             for warm in (False, True):
-                for name, calib in VARIANTS.items():
+                for name in args.variants.split(","):
+                    calib = VARIANTS[name]
                     s = speedups(recs, CURVES[curve], calib, args.group, warm, args.max_tokens)
                     rows.append(
                         (

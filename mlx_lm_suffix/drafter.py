@@ -40,8 +40,8 @@ DEFAULT_MIN_TOKEN_PROB = 0.1
 # the two apart (Calibration's match length buckets).
 PROMPT_TAIL_TOKENS = 64
 # The estimate of a prompt copy's tokens where the trees draft nothing: a
-# continuation seen once, as the trees rate one (its own occurrence counts).
-COPY_PROB = 0.5
+# continuation seen once, as the trees rate one.
+COPY_PROB = 1.0
 
 
 class _Private:
@@ -235,7 +235,8 @@ class SuffixDrafter:
 
     # -------------------------------------------------------------- lifecycle
     def start(self, prompt: Sequence[int], scope: Hashable = None) -> int:
-        """Start a request: its prompt becomes the request's own suffix tree.
+        """Start a request: its prompt becomes the request's own suffix tree
+        (its last :data:`PROMPT_TAIL_TOKENS` tokens the global tree's too).
 
         Returns a fresh request id (ids are never reused). ``scope`` selects
         the global cache the request drafts from and adds its response to
@@ -246,11 +247,8 @@ class SuffixDrafter:
         copy = PromptCopy(prompt)
         with self._lock:
             req_id = next(self._ids)
-            cache = self._trees.open(scope)
-            # The request's tree gets the whole prompt; the global one its tail.
-            cache.start_request(req_id, prompt[:split])
-            if split < len(prompt):
-                cache.add_active_response(req_id, prompt[split:])
+            # The newest token is held back (see commit).
+            self._trees.start(req_id, scope, prompt[:split], prompt[split:-1])
             self._active[req_id] = _Request(
                 scope, prompt[-self.max_tree_depth :], copy, prompt[split:]
             )
@@ -258,13 +256,19 @@ class SuffixDrafter:
             return req_id
 
     def commit(self, req_id: int, tokens: Sequence[int]) -> None:
-        """Feed committed (emitted) tokens into the request's and global trees."""
+        """Feed committed (emitted) tokens to the request.
+
+        The trees get every token of the request but its newest: the newest
+        occurs in them only once it is followed, so the context never
+        matches its own occurrence. (That match would make a walk of the
+        trees run through every context length, and count the request's own
+        occurrence in each estimate, halving a continuation seen once.)"""
         if not tokens:
             return
         tokens = [int(t) for t in tokens]
         with self._lock:
             req = self._active[req_id]
-            self._trees[req.scope].add_active_response(req_id, tokens)
+            self._trees.extend(req_id, req.scope, req.response[-1:] + tokens[:-1])
             req.response.extend(tokens)
             req.context.extend(tokens)
             req.copy.feed(tokens)
@@ -275,18 +279,13 @@ class SuffixDrafter:
     def propose(self, req_id: int, max_tokens: Optional[int] = None) -> Draft:
         """The draft of up to ``max_tokens`` (default ``num_draft_tokens``)
         tokens after the request's committed tokens, before any length
-        policy.
-
-        The trees' draft is the one from a match of at least
-        :data:`~mlx_lm_suffix.policy.LONG_MATCH` context tokens where there
-        is one (a repeat; its match length then reads ``LONG_MATCH``), else
-        the trees' best. It is extended by the prompt's continuation where
-        the output is copying the prompt (:mod:`~mlx_lm_suffix.copying`)
-        and that continuation starts with the trees' draft (or the trees
-        have none). A copy's estimates are the
-        trees' as far as they draft, then the last of them (:data:`COPY_PROB`
-        where the trees have none); its match length is the longer of the
-        trees' match and the copy's run."""
+        policy: the trees' best (one walk of the request's own tree and the
+        global tree), extended by the prompt's continuation where the
+        output is copying the prompt (:mod:`~mlx_lm_suffix.copying`) and
+        that continuation starts with the trees' draft (or the trees have
+        none). A copy's estimates are the trees' as far as they draft, then
+        the last of them (:data:`COPY_PROB` where the trees have none); its
+        match length is the longer of the trees' match and the copy's run."""
         limit = self.num_draft_tokens if max_tokens is None else max_tokens
         if limit <= 0:
             return Draft()
@@ -305,43 +304,33 @@ class SuffixDrafter:
     def _speculate(self, req_id: int, req: _Request, limit: int) -> Tuple[List[int], List[float], int]:
         """The trees' draft: tokens, estimates and match length.
 
-        arctic-inference drafts from the shortest match that gives its
-        best-scoring draft, and a continuation seen once scores low (the
-        request's own occurrence counts): a repeated request gets the draft
-        of a template match several earlier answers share, branching where
-        they part. So a draft from a match of at least LONG_MATCH tokens is
-        preferred, within the same limits; where the trees' draft goes on
-        from it (the tree depth bounds a match and its draft together), the
-        rest is kept, estimated no higher."""
-        cache, context = self._trees[req.scope], req.context[-self.max_tree_depth :]
-        knobs = dict(min_token_prob=self.min_token_prob)
-        d = cache.speculate(
-            req_id,
-            context,
-            max_spec_tokens=limit,
-            max_spec_factor=self.max_spec_factor,
-            max_spec_offset=self.max_spec_offset,
-            **knobs,
+        arctic-inference drafts from the match that gives its best-scoring
+        draft, and the tree depth bounds a match and its draft together: a
+        repeated request's own answer, after a long match, may be drafted
+        shorter than the draft of a template match that several earlier
+        answers share, branching where they part. So where the trees' match
+        reaches a third of :data:`~mlx_lm_suffix.policy.LONG_MATCH` (shorter
+        matches are not repeats), the draft from a match of at least
+        LONG_MATCH tokens is preferred (a second walk, of the last LONG_MATCH
+        context tokens only), within the same limits; where the trees' draft
+        goes on from it, the rest is kept, estimated no higher."""
+        knobs = (self.max_spec_factor, self.max_spec_offset, self.min_token_prob)
+        tokens, probs, match = self._trees.speculate(
+            req_id, req.scope, req.context[-self.max_tree_depth :], limit, *knobs
         )
-        tokens, probs, match = list(d.token_ids), list(d.probs), int(d.match_len)
         n = int(min(limit, LONG_MATCH * self.max_spec_factor + self.max_spec_offset))
-        if n <= 0 or not tokens:
-            return tokens, probs, match  # no match gave a draft: nor will a long one
+        if n <= 0 or not tokens or not LONG_MATCH // 3 <= match < LONG_MATCH:
+            return tokens, probs, match
         # Only a match of LONG_MATCH tokens or more allows a token.
-        far = cache.speculate(
-            req_id,
-            context,
-            max_spec_tokens=n,
-            max_spec_factor=float(n),
-            max_spec_offset=-float(n * (LONG_MATCH - 1)),
-            **knobs,
+        deep, far, _ = self._trees.speculate(
+            req_id, req.scope, req.context[-LONG_MATCH - 1 :], n, float(n),
+            -float(n * (LONG_MATCH - 1)), self.min_token_prob,
         )
-        deep = list(far.token_ids)
         if not deep:
             return tokens, probs, match
-        n, low = len(deep), far.probs[-1]
+        n, low = len(deep), far[-1]
         rest = tokens[n:] if tokens[:n] == deep else []
-        return deep + rest, list(far.probs) + [min(p, low) for p in probs[n : n + len(rest)]], LONG_MATCH
+        return deep + rest, far + [min(p, low) for p in probs[n : n + len(rest)]], LONG_MATCH
 
     def finish(self, req_id: int) -> None:
         """Stop a request. Its response stays in the global cache until evicted.
@@ -351,6 +340,7 @@ class SuffixDrafter:
             req = self._active.pop(req_id, None)
             if req is None:
                 return
+            self._trees.extend(req_id, req.scope, req.response[-1:])  # the newest
             self._trees[req.scope].stop_request(req_id)
             self._trees.keep(req_id, req.scope, req.response)
 

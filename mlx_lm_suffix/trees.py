@@ -67,6 +67,14 @@ class ResponseStore:
         return evicted
 
 
+#: What of arctic-inference 0.3.0's ``SuffixDecodingCache`` (pinned in
+#: setup.cfg) :class:`SuffixTrees` uses beside its public methods: the C++
+#: trees themselves (a request's own, and the global one with each active
+#: request's sequence id), so that a step's extend and walks cost no
+#: wrapper (its ``speculate`` converts every field of both trees' drafts).
+NATIVE = ("_local_trees", "_global_tree", "_req_to_seq_id")
+
+
 class SuffixTrees:
     """The arctic-inference caches of one drafter, one per scope (each holds
     its active requests' trees and a global tree of responses), and the
@@ -100,6 +108,12 @@ class SuffixTrees:
         if cache is None:
             n = -1 if self.shared and scope is not self.private else 0
             cache = SuffixDecodingCache(self.depth, max_cached_requests=n)
+            missing = [a for a in NATIVE if not hasattr(cache, a)]
+            if missing:
+                raise RuntimeError(
+                    f"arctic-inference's SuffixDecodingCache lacks {', '.join(missing)}: "
+                    "mlx-lm-suffix needs arctic-inference 0.3.0"
+                )
             self._caches[scope] = cache
         return cache
 
@@ -111,6 +125,44 @@ class SuffixTrees:
                 self._caches[s].evict_cached_response(old)
                 self._drop_if_empty(s)
         self._drop_if_empty(scope)
+
+    def start(self, req_id: int, scope: Hashable, own: List[int], shared: List[int]) -> None:
+        """Start request ``req_id`` of ``scope``: its own tree gets ``own``
+        then ``shared``, its scope's global tree ``shared``."""
+        cache = self.open(scope)
+        cache.start_request(req_id, own)
+        if shared:
+            cache.add_active_response(req_id, shared)
+
+    def extend(self, req_id: int, scope: Hashable, tokens: List[int]) -> None:
+        """``tokens`` into the request's own tree and its scope's global tree
+        (arctic-inference's ``add_active_response``, on its C++ trees
+        directly: :data:`NATIVE`)."""
+        cache = self._caches[scope]
+        if not tokens:
+            return
+        cache._local_trees[req_id].extend(0, tokens)
+        seq = cache._req_to_seq_id.get(req_id)
+        if seq is not None:
+            cache._global_tree.extend(seq, tokens)
+
+    def speculate(self, req_id: int, scope: Hashable, context: List[int], limit: int,
+                  factor: float, offset: float, min_prob: float) -> Tuple[List[int], List[float], int]:
+        """The trees' draft after ``context``: tokens, estimates and match
+        length. Each tree's is its best-scoring one (arctic-inference's
+        ``SuffixTree.speculate``); of the request's own tree's and the
+        global tree's, the draft from the longer match is taken (it agrees
+        with more of the context; a tie: the better score, then its own).
+        arctic's ``SuffixDecodingCache.speculate`` takes the better score:
+        a continuation seen once in the prompt would then outscore a longer
+        match's continuation that two earlier answers share and a third
+        leaves. (On the C++ trees directly: :data:`NATIVE`.)"""
+        cache = self._caches[scope]
+        knobs = (limit, factor, offset, min_prob, False)
+        own = cache._local_trees[req_id].speculate(context, *knobs)
+        other = cache._global_tree.speculate(context, *knobs)
+        d = own if (own.match_len, own.score) >= (other.match_len, other.score) else other
+        return list(d.token_ids), list(d.probs), int(d.match_len)
 
     def add(self, req_id: int, scope: Hashable, tokens: List[int]) -> None:
         """A finished response (e.g. from a file) into ``scope``'s global tree."""
@@ -138,3 +190,5 @@ class SuffixTrees:
             and not cache.cached_requests
         ):
             del self._caches[scope]
+
+

@@ -57,10 +57,11 @@ def test_a_repeat_matches_longer_than_a_shared_template():
 
 def test_a_repeat_drafts_its_own_answer_where_earlier_answers_branch():
     """Three answers after the same template share their start and then part,
-    two of them one way: arctic-inference drafts from the template match
-    (the majority's way); the drafter, whatever its policy, drafts a
+    two of them one way: the drafter, whatever its policy, drafts a
     repeated request's own answer from its long match, and calibrates it as
-    one."""
+    one (the request's own newest token is not in the trees, so its own
+    occurrence does not halve the repeat's estimates, and the long match
+    scores best)."""
     template = list(range(900, 924))
     shared, own, other = list(range(500, 510)), list(range(600, 630)), list(range(700, 730))
     prompts = [list(range(100 * i, 100 * i + 60)) + template for i in (1, 2, 3)]
@@ -76,7 +77,7 @@ def test_a_repeat_drafts_its_own_answer_where_earlier_answers_branch():
         drafts[policy] = d.propose(repeat, 32)
     for draft in drafts.values():
         assert draft.tokens == shared[1:] + own[:23]
-        assert draft.match_len == LONG_MATCH
+        assert draft.match_len >= LONG_MATCH
 
 
 def test_scopes_are_isolated():

@@ -170,12 +170,11 @@ def test_probability_scale_shortens_drafts():
     assert c.ratio(1, "tail") == pytest.approx(tail)
     # Match lengths not seen yet start from what their part has earned.
     # Long matches (repeats) have pools of their own: short ones' distrust
-    # does not carry over, and a first token seen once after one (0.5: the
-    # request's own occurrence counts) starts out trusted.
+    # does not carry over.
     assert c.ratio(20, "first") == pytest.approx(50 / 35)
     assert c.ratio(90, "tail") == 1.0
-    assert c.ratio(LONG_MATCH, "first") == c.long_first_ratio == 2.0
-    assert c.scale([0.5, 0.5], LONG_MATCH) == [1.0, 1.0]
+    assert c.ratio(LONG_MATCH, "first") == 1.0
+    assert c.scale([1.0, 1.0], LONG_MATCH) == [1.0, 1.0]
     assert c.ratio(20, "tail") == pytest.approx(9 / 50)
     # Flat estimates after a short match (one continuation known) are scaled
     # down after the first token too, step by step, so a pipelined tail no

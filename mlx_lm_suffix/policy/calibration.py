@@ -14,10 +14,10 @@ class Calibration:
     """How far to trust the drafts' probability estimates, learnt online
     from verified drafts.
 
-    The estimates are frequencies in the trees, and the request's own
-    occurrence of the matched text counts too, so a continuation seen once
-    before gets about 0.5 however certain it is (repeats are accepted far
-    more often than that), while a draft from a match of one or two tokens
+    The estimates are frequencies in the trees (the request's own newest
+    token is held back from them, so its occurrence of the matched text does
+    not count): a continuation seen once reads 1 however often text breaks
+    away from it, while a draft from a match of one or two tokens
     gets a high estimate that open-ended text seldom bears out. How wrong
     they are depends mostly on how long the match was and where the draft
     came from, so each cell (``part``: the draft's first token, or the
@@ -51,25 +51,22 @@ class Calibration:
     source over the short buckets, or the long bucket alone), worth
     ``prior_expected`` tokens, so a cell not verified yet is trusted as much
     as the traffic has earned; a pool starts from ``prior_ratio`` (the
-    estimates as they are), except two. Short matches' tail steps start
+    estimates as they are), except one. Short matches' tail steps start
     from ``short_tail_ratio``: an unverified continuation may break at any
     token, and where verification costs nearly a plain step per token (a
     quantized model on a CPU) only drafts whose every step is likely pay,
     so a new process does not verify long flat drafts before it has seen
     any accepted. Long matches (a repeated request, text copied before)
     are pooled apart, so the distrust short template matches teach does not
-    carry over to repeats, and their first tokens start from
-    ``long_first_ratio``: there the trees' 0.5 for a continuation seen once
-    is their own occurrence counted, and a batch, which verifies only what
-    beats plain steps by a margin, would not draft repeats until it had
-    learnt that. Counts are halved once a cell has seen 500 expected
+    carry over to repeats. Counts are halved once a cell has seen 500 expected
     tokens, so it keeps adapting. ``draft_weight`` must be finite: on
     replays of answers that copy their prompt, independent steps (an
     infinite weight) lost 12-23%; 3, 5 and 10 differ by a few percent with
     no order, on those and on a real model's own outputs, and 5 is the
     middle one. ``max_ratio`` bounds how far a streak
-    of full acceptances can lift a low estimate (a continuation seen once
-    reads 0.5 and may be lifted to certainty, not beyond)."""
+    of full acceptances can lift a low estimate (one of several
+    continuations seen reads below 1 and may be lifted to certainty, not
+    beyond)."""
 
     #: Upper bounds of the match length buckets (the last is open).
     BUCKETS = (2, 4, 8, 16, 32, LONG_MATCH - 1)
@@ -83,14 +80,12 @@ class Calibration:
         prior_expected: float = 10.0,
         prior_ratio: float = 1.0,
         max_ratio: float = 2.5,
-        long_first_ratio: float = 2.0,
         short_tail_ratio: float = 0.9,
         draft_weight: float = 5.0,
     ):
         self.prior_expected = prior_expected
         self.prior_ratio = prior_ratio
         self.max_ratio = max_ratio
-        self.long_first_ratio = long_first_ratio
         self.short_tail_ratio = short_tail_ratio
         self.draft_weight = draft_weight
         # Verified tokens' estimates and how many were accepted, per cell
@@ -109,11 +104,7 @@ class Calibration:
 
     def _ratio(self, cell: tuple) -> float:
         pool, prior = self._pool(cell), self.prior_expected
-        start = self.prior_ratio
-        if pool == ("first", cell[1], "long"):
-            start = self.long_first_ratio
-        elif pool == ("tail", cell[1], "short"):
-            start = self.short_tail_ratio
+        start = self.short_tail_ratio if pool == ("tail", cell[1], "short") else self.prior_ratio
         pooled = (self.accepted.get(pool, 0.0) + prior * start) / (
             self.expected.get(pool, 0.0) + prior
         )
