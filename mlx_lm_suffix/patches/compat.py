@@ -145,6 +145,7 @@ LOOKUPS: Dict[str, Tuple[str, ...]] = {
     "mlx_lm.server:APIHandler.handle_completion": (
         "generate_response",
         "completion_usage_response",
+        "stream_options",  # its "include_usage" made present
     ),
 }
 
@@ -194,6 +195,7 @@ ATTRIBUTES: Dict[str, Tuple[str, ...]] = {
         "max_tokens",
         "requested_draft_model",
         "num_draft_tokens",
+        "stream_options",
     ),
 }
 

@@ -152,6 +152,9 @@ def patch(module: ModuleType) -> Replacements:
         info = getattr(self, "_mlx_lm_suffix", None)
         if info is None:
             return stock_handle_completion(self, request, stop_words)
+        # It reads self.stream_options["include_usage"] once the stream is
+        # done (a KeyError there: no [DONE]).
+        self.stream_options = serving.stream_options_with_usage(self.stream_options)
         serving.attach_request_info(request, info)
         serving.mark_generating(self)
         return stock_handle_completion(self, request, stop_words)

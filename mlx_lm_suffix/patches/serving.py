@@ -450,6 +450,16 @@ def request_info(handler: Any) -> Optional[RequestInfo]:
     )
 
 
+def stream_options_with_usage(options: Any) -> Any:
+    """``stream_options`` with ``include_usage`` (false where it is
+    missing): mlx-lm 0.32.2 ``APIHandler.handle_completion`` reads
+    ``stream_options["include_usage"]`` after the last event and, on a
+    KeyError, ends the stream without ``[DONE]``."""
+    if isinstance(options, dict) and "include_usage" not in options:
+        return {**options, "include_usage": False}
+    return options
+
+
 def attach_request_info(request: Any, info: Optional[RequestInfo]) -> None:
     if info is not None:
         setattr(request, _REQUEST_ATTR, info)

@@ -1,0 +1,115 @@
+"""Requests a ``--draft suffix`` server answers exactly as stock does, field
+for field, where drafting used to change the answer or stock breaks:
+``stream_options`` without ``include_usage`` (streams to ``[DONE]``). Each
+test compares with a stock server on the same tiny float32 model, and the
+server keeps serving.
+
+Both servers run with OpenBLAS where it is installed (Linux): a forward over
+8+ tokens then gives logits a few ulps off one-token steps, as a GPU does,
+which the reference BLAS of the ``mlx-cpu`` wheel does not show.
+"""
+
+import json
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any, Dict, List
+
+import mlx_lm  # noqa: F401  (first: mlx_lm_suffix imports mlx_lm)
+import pytest
+
+from mlx_lm_suffix.tools.bench import OPENBLAS
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_server import SUFFIX_FIXED, Server, _messages, _source_text  # noqa: E402
+
+MAX_TOKENS = 32
+
+
+def blas_env() -> Dict[str, str]:
+    """OpenBLAS for the servers where it is installed (one thread: the same
+    kernels on every run)."""
+    if sys.platform == "linux" and Path(OPENBLAS).exists():
+        return {"LD_PRELOAD": OPENBLAS, "OPENBLAS_NUM_THREADS": "1"}
+    return {}
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("identical-logs")
+
+
+@pytest.fixture(scope="module")
+def stock(tiny_model_path, logs):
+    server = Server(tiny_model_path, log_dir=logs, name="stock", env=blas_env())
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def suffix(tiny_model_path, logs):
+    # Fixed-length drafting: every repeat is verified, whatever the timings.
+    server = Server(tiny_model_path, *SUFFIX_FIXED, log_dir=logs, name="suffix", env=blas_env())
+    yield server
+    server.stop()
+
+
+def chat(server: Server, text: str, **extra: Any) -> Dict[str, Any]:
+    """A greedy chat completion's JSON (asserts HTTP 200)."""
+    body = {"messages": _messages(text), "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+    status, reply = server.post("/v1/chat/completions", body)
+    assert status == 200, reply
+    return reply
+
+
+def answer(reply: Dict[str, Any]):
+    choice = reply["choices"][0]
+    return choice["message"]["content"], choice["finish_reason"]
+
+
+def events(server: Server, text: str, **extra: Any) -> List[str]:
+    """The ``data:`` payloads of a streamed greedy chat completion, as sent,
+    until the server closes the stream."""
+    body = {"messages": _messages(text), "max_tokens": MAX_TOKENS, "temperature": 0,
+            "stream": True, **extra}
+    req = urllib.request.Request(server.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        raw = r.read().decode()
+    return [line[len("data: "):] for line in raw.splitlines() if line.startswith("data: ")]
+
+
+def streamed_text(payloads: List[str]):
+    """(text, finish_reason, usage) of a stream's payloads (``[DONE]`` aside)."""
+    text, finish, usage = "", None, None
+    for p in payloads:
+        if p == "[DONE]":
+            continue
+        chunk = json.loads(p)
+        assert "error" not in chunk, chunk
+        usage = chunk.get("usage") or usage
+        for c in chunk["choices"]:
+            text += c["delta"].get("content") or ""
+            finish = c["finish_reason"] or finish
+    return text, finish, usage
+
+
+PROBE = "probe: " + "alpha beta gamma " * 3
+
+
+# -------------------------------------------------------- stream_options
+@pytest.mark.parametrize("options", [{}, {"other": 1}, {"include_usage": True}],
+                         ids=["empty", "no-include_usage", "include_usage"])
+def test_stream_options_stream_to_done(stock, suffix, options):
+    """``stream_options`` without ``include_usage`` streams as with it false:
+    stock's text, no error event, ``[DONE]`` last (stock ends such a stream
+    without it). With it true, the usage chunk comes before ``[DONE]``."""
+    text = _source_text(70)
+    ref = streamed_text(events(stock, text, stream_options={"include_usage": False}))
+    for _ in range(2):  # the second drafts from the first
+        got = events(suffix, text, stream_options=options)
+        assert got[-1] == "[DONE]" and got.count("[DONE]") == 1
+        text_, finish, usage = streamed_text(got)
+        assert (text_, finish) == ref[:2]
+        assert (usage is not None) == bool(options.get("include_usage"))
+    assert answer(chat(suffix, PROBE)) == answer(chat(stock, PROBE))
