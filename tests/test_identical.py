@@ -1,8 +1,8 @@
 """Requests a ``--draft suffix`` server answers exactly as stock does, field
 for field, where drafting used to change the answer or stock breaks:
-``stream_options`` without ``include_usage`` (streams to ``[DONE]``). Each
-test compares with a stock server on the same tiny float32 model, and the
-server keeps serving.
+``logit_bias`` ids outside the vocabulary (HTTP 400 where stock crashes),
+``stream_options`` without ``include_usage`` (streams to ``[DONE]``). Each test compares with a stock
+server on the same tiny float32 model, and the server keeps serving.
 
 Both servers run with OpenBLAS where it is installed (Linux): a forward over
 8+ tokens then gives logits a few ulps off one-token steps, as a GPU does,
@@ -10,6 +10,7 @@ which the reference BLAS of the ``mlx-cpu`` wheel does not show.
 """
 
 import json
+import shutil
 import sys
 import urllib.request
 from pathlib import Path
@@ -54,6 +55,12 @@ def suffix(tiny_model_path, logs):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def vocab(tiny_model_path) -> int:
+    """The tiny model's vocabulary: the length of its logits."""
+    return json.loads((Path(tiny_model_path) / "config.json").read_text())["vocab_size"]
+
+
 def chat(server: Server, text: str, **extra: Any) -> Dict[str, Any]:
     """A greedy chat completion's JSON (asserts HTTP 200)."""
     body = {"messages": _messages(text), "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
@@ -95,6 +102,45 @@ def streamed_text(payloads: List[str]):
 
 
 PROBE = "probe: " + "alpha beta gamma " * 3
+
+
+# ------------------------------------------------------------ logit_bias
+def test_logit_bias_outside_the_vocabulary_gets_400(stock, suffix, vocab):
+    """A ``logit_bias`` key that is no token id of the model (at or past its
+    logits' length, or negative) gets HTTP 400 naming it; stock crashes
+    (SIGSEGV) on the first. The largest id works as on stock, and the server
+    keeps serving stock's answers."""
+    probe = answer(chat(stock, PROBE))
+    for key in (vocab, vocab + 1000, -1, 2**40):
+        body = {"messages": _messages(PROBE), "max_tokens": 4, "logit_bias": {str(key): 5}}
+        status, reply = suffix.post("/v1/chat/completions", body)
+        assert status == 400, (key, reply)
+        assert "logit_bias" in reply["error"] and str(key) in reply["error"]
+        assert f"0 to {vocab - 1}" in reply["error"]
+        assert answer(chat(suffix, PROBE)) == probe
+    last = {"logit_bias": {str(vocab - 1): 100}}
+    assert answer(chat(suffix, PROBE, **last)) == answer(chat(stock, PROBE, **last))
+    assert suffix.wait_idle()["active_requests"] == 0
+
+
+def test_logit_bias_checked_for_a_model_loaded_later(stock, suffix, tiny_model_path, vocab,
+                                                     tmp_path):
+    """A request for a model the server has not loaded yet (the handler does
+    not know its vocabulary) is checked in the generation thread once that
+    model is loaded: HTTP 400 all the same. Then the default model serves
+    stock's answer."""
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_model_path, other)
+    body = {"model": str(other), "messages": _messages(PROBE), "max_tokens": 4,
+            "logit_bias": {str(vocab): 5}}
+    loaded = lambda: any(m["model"] == other.name for m in suffix.stats()["models"])  # noqa: E731
+    assert not loaded()
+    for _ in range(2):  # not loaded yet; then loaded (the handler checks)
+        status, reply = suffix.post("/v1/chat/completions", body)
+        assert status == 400, reply
+        assert f"logit_bias key {vocab} is not a token id" in reply["error"]
+    assert loaded()
+    assert answer(chat(suffix, PROBE)) == answer(chat(stock, PROBE))
 
 
 # -------------------------------------------------------- stream_options
