@@ -1,7 +1,8 @@
 """Requests a ``--draft suffix`` server answers exactly as stock does, field
 for field, where drafting used to change the answer or stock breaks:
-``logit_bias`` ids outside the vocabulary (HTTP 400 where stock crashes),
-``stream_options`` without ``include_usage`` (streams to ``[DONE]``). Each test compares with a stock
+``logprobs``/``top_logprobs`` (not drafted), ``logit_bias`` ids outside the
+vocabulary (HTTP 400 where stock crashes), ``stream_options`` without
+``include_usage`` (streams to ``[DONE]``). Each test compares with a stock
 server on the same tiny float32 model, and the server keeps serving.
 
 Both servers run with OpenBLAS where it is installed (Linux): a forward over
@@ -102,6 +103,37 @@ def streamed_text(payloads: List[str]):
 
 
 PROBE = "probe: " + "alpha beta gamma " * 3
+
+
+# -------------------------------------------------------------- logprobs
+def test_logprobs_equal_stock(stock, suffix):
+    """10 requests for ``logprobs`` with ``top_logprobs`` 1, 5 and 10, each
+    text twice (the second repeats the first answer, which the trees
+    hold): the whole ``logprobs`` object equals stock's (ids, order, tokens,
+    values), and nothing was drafted. One goes through the single-request
+    path (``seed``). The same text without logprobs is drafted."""
+    texts = [_source_text(60 + i) for i in range(5)]
+    differ, drafted = [], []
+    for i, text in enumerate(texts * 2):
+        extra = {"logprobs": True, "top_logprobs": (1, 5, 10)[i % 3]}
+        if i == 7:
+            extra["seed"] = 7  # stock and suffix: _serve_single
+        ref, got = chat(stock, text, **extra), chat(suffix, text, **extra)
+        assert answer(got) == answer(ref)
+        if got["choices"][0]["logprobs"] != ref["choices"][0]["logprobs"]:
+            differ.append(i)
+        if got["usage"]["draft_tokens"] or got["usage"]["accepted_draft_tokens"]:
+            drafted.append(i)
+    assert differ == [] and drafted == []
+    # logprobs alone (no top_logprobs), too.
+    ref, got = chat(stock, texts[0], logprobs=True), chat(suffix, texts[0], logprobs=True)
+    assert got["choices"][0]["logprobs"] == ref["choices"][0]["logprobs"]
+    assert got["usage"]["draft_tokens"] == 0
+    # Without logprobs the same request drafts (its answer is cached).
+    plain = chat(suffix, texts[0])
+    assert answer(plain) == answer(ref)
+    assert plain["usage"]["accepted_draft_tokens"] > 0
+    assert suffix.wait_idle()["active_requests"] == 0
 
 
 # ------------------------------------------------------------ logit_bias

@@ -210,6 +210,8 @@ ATTRIBUTES: Dict[str, Tuple[str, ...]] = {
         "adapter",
         "stream_options",
         "logit_bias",
+        "logprobs",
+        "top_logprobs",
     ),
 }
 

@@ -461,6 +461,13 @@ def _requested_key(handler: Any) -> Optional[Tuple[Any, ...]]:
     return (model, adapter, draft)
 
 
+def wants_logprobs(handler: Any) -> bool:
+    """Whether the response carries logprobs (``logprobs``, or
+    ``top_logprobs`` > 0, which stock answers with them too)."""
+    top = getattr(handler, "top_logprobs", -1)
+    return getattr(handler, "logprobs", False) is True or (isinstance(top, int) and top > 0)
+
+
 def request_info(handler: Any) -> Optional[RequestInfo]:
     """Validate the suffix fields of a request (after stock validation).
 
@@ -519,7 +526,10 @@ def request_info(handler: Any) -> Optional[RequestInfo]:
     handler.requested_draft_model = "default_model"
     # --num-draft-tokens is a hard limit: a request may lower it, not raise it.
     n = min(n, state.num_draft_tokens)
-    drafting = draft is not None and n > 0
+    # A verification forward's logprobs (and the K/V it leaves in the cache)
+    # differ from one-token steps' in the last bits, and so does the order
+    # of stock's unsorted top_logprobs: a request for them is not drafted.
+    drafting = draft is not None and n > 0 and not wants_logprobs(handler)
     return RequestInfo(
         drafting=drafting,
         num_draft_tokens=n if drafting else 0,
