@@ -17,7 +17,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List
 
-import mlx_lm  # noqa: F401  (first: mlx_lm_suffix imports mlx_lm)
+import mlx.core as mx
+import mlx_lm  # (first: mlx_lm_suffix imports mlx_lm)
 import pytest
 
 from mlx_lm_suffix.tools.bench import OPENBLAS
@@ -191,3 +192,33 @@ def test_stream_options_stream_to_done(stock, suffix, options):
         assert (text_, finish) == ref[:2]
         assert (usage is not None) == bool(options.get("include_usage"))
     assert answer(chat(suffix, PROBE)) == answer(chat(stock, PROBE))
+
+
+# ------------------------------------------------------ quantized KV cache
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 41: the loop converts the cache to a QuantizedKVCache after a whole "
+    "verification forward; stock converts once its offset reaches "
+    "quantized_kv_start, so positions past it attend to float K/V here"))
+def test_quantized_kv_start_inside_a_verification(models_dir):
+    """``kv_bits=4`` with ``quantized_kv_start`` a few tokens into the answer:
+    a repeated answer is verified in one forward across that point. Stock's
+    tokens and logprobs (the mini model: its heads of 32 can be quantized in
+    groups of 32; the tiny model's of 16 cannot)."""
+    from mlx_lm_suffix import SuffixDrafter
+    from mlx_lm_suffix.tools.models import ensure_model
+
+    model, tokenizer = mlx_lm.load(str(ensure_model("qwen3", "mini", cache_dir=models_dir)))
+    prompt = tokenizer.encode(_source_text(90))
+    kw = dict(max_tokens=40, kv_bits=4, kv_group_size=32, quantized_kv_start=len(prompt) + 4)
+
+    def run(**extra):
+        out = list(mlx_lm.stream_generate(model, tokenizer, prompt, **kw, **extra))
+        return [r.token for r in out], mx.stack([r.logprobs for r in out])
+
+    ref_tokens, ref_logprobs = run()
+    drafter = SuffixDrafter(policy="fixed", max_cached_requests=10)
+    for _ in range(2):  # the second verifies the first answer at once
+        tokens, logprobs = run(draft_model=drafter)
+    assert drafter.snapshot()["accepted"] > 0
+    assert tokens == ref_tokens
+    assert mx.allclose(logprobs, ref_logprobs, atol=1e-4).item()
