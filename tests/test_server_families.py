@@ -18,6 +18,10 @@ Every family's batches draft: recurrent state is restored and each row's
 kept tokens replayed; sliding windows (``BatchRotatingKVCache`` next to
 ``BatchKVCache``) trim each row, also once wrapped. Single requests draft
 too, replaying where the state is recurrent.
+
+The requests ask for logprobs (their token ids), which a suffix server
+serves without drafting: the suffix servers here run
+``tests/logprobs_drafting_server.py``, which drafts them.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_server import SUFFIX_FIXED, Server, _messages, _source_text  # noqa: E402
+
+# A suffix server that drafts requests for logprobs (see its doc).
+LOGPROBS_DRAFTING = [sys.executable, str(Path(__file__).with_name("logprobs_drafting_server.py"))]
 
 #: The eight requests: (endpoint, prompt, max_tokens).
 REQUESTS: List[Tuple[str, str, int]] = [
@@ -106,7 +113,8 @@ def servers(request, tiny_family_path, tmp_path_factory) -> Iterator[Servers]:
     logs = tmp_path_factory.mktemp(f"{family}-server-logs")
     # Both load at once (each readiness wait is bounded).
     stock = Server(path, log_dir=logs, name="stock", wait=False)
-    suffix = Server(path, *SUFFIX_FIXED, log_dir=logs, name="suffix", wait=False)
+    suffix = Server(path, *SUFFIX_FIXED, log_dir=logs, name="suffix", wait=False,
+                    launcher=LOGPROBS_DRAFTING)
     try:
         stock.wait_ready(120)
         suffix.wait_ready(120)

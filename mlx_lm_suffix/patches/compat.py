@@ -107,6 +107,7 @@ SIGNATURES: Dict[str, Optional[str]] = {
     "mlx_lm.server:ResponseGenerator._tokenize": "self, tokenizer, request, args",
     "mlx_lm.server:ResponseGenerator._next_request": "self, timeout",
     "mlx_lm.server:ResponseGenerator._generate": "self",
+    "mlx_lm.server:ResponseGenerator.generate": "self, request, generation_args, progress_callback",
     "mlx_lm.server:ResponseGenerator.cli_args": None,
     "mlx_lm.server:APIHandler.validate_model_parameters": "self",
     "mlx_lm.server:APIHandler.handle_completion": "self, request, stop_words",
@@ -142,7 +143,8 @@ LOOKUPS: Dict[str, Tuple[str, ...]] = {
     # batch: the generation step comes first, then prefill (_prefill_ahead)
     "mlx_lm.generate:BatchGenerator._next": _PREFILL_STATE,
     "mlx_lm.server:main": ("argparse", "run"),
-    "mlx_lm.server:ModelProvider.load": ("_load",),
+    # serving._requested_key maps a request's model names as load does
+    "mlx_lm.server:ModelProvider.load": ("_load", "_model_map", "_adapter_map", "_draft_model_map"),
     "mlx_lm.server:ResponseGenerator._run_generate": ("_generate",),
     "mlx_lm.server:ResponseGenerator._generate": ("BatchGenerator", "_next_request", "_tokenize"),
     "mlx_lm.server:ResponseGenerator._serve_single": ("stream_generate", "_tokenize"),
@@ -150,6 +152,8 @@ LOOKUPS: Dict[str, Tuple[str, ...]] = {
     "mlx_lm.server:APIHandler.handle_completion": (
         "generate_response",
         "completion_usage_response",
+        "generate",  # ResponseGenerator.generate, wrapped
+        "stream_options",  # its "include_usage" made present
     ),
 }
 
@@ -195,7 +199,15 @@ ATTRIBUTES: Dict[str, Tuple[str, ...]] = {
         "_offset",
     ),
     "mlx_lm.models.cache:CacheList.__init__": ("caches",),
-    "mlx_lm.server:ModelProvider.__init__": ("cli_args", "model", "tokenizer", "model_key"),
+    "mlx_lm.server:ModelProvider.__init__": (
+        "cli_args",
+        "model",
+        "tokenizer",
+        "model_key",
+        "_model_map",
+        "_adapter_map",
+        "_draft_model_map",
+    ),
     "mlx_lm.server:ResponseGenerator.__init__": ("model_provider", "_stop"),
     "mlx_lm.server:APIHandler.__init__": ("response_generator",),
     "mlx_lm.server:APIHandler.do_POST": (
@@ -204,6 +216,12 @@ ATTRIBUTES: Dict[str, Tuple[str, ...]] = {
         "max_tokens",
         "requested_draft_model",
         "num_draft_tokens",
+        "requested_model",
+        "adapter",
+        "stream_options",
+        "logit_bias",
+        "logprobs",
+        "top_logprobs",
     ),
 }
 

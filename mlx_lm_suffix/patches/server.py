@@ -62,6 +62,7 @@ def patch(module: ModuleType) -> Replacements:
     stock_tokenize = rg_cls._tokenize
     stock_next_request = rg_cls._next_request
     stock_generate = rg_cls._generate
+    stock_rg_generate = rg_cls.generate
     stock_stream_generate = module.stream_generate
     stock_validate = handler_cls.validate_model_parameters
     stock_handle_completion = handler_cls.handle_completion
@@ -100,9 +101,11 @@ def patch(module: ModuleType) -> Replacements:
 
     # mlx-lm 0.32.2 ResponseGenerator._tokenize(tokenizer, request, args) -> (prompt, ...)
     # runs, in the generation thread, right before the request is inserted
-    # into the batch (insert_segments) or served by _serve_single.
+    # into the batch (insert_segments) or served by _serve_single, with the
+    # request's model loaded; what it raises fails that request alone.
     @functools.wraps(stock_tokenize)
     def _tokenize(self, tokenizer, request, args):
+        serving.check_for_model(self.model_provider, args)
         result = stock_tokenize(self, tokenizer, request, args)
         serving.note_prompt(self.model_provider.cli_args, request, result[0])
         return result
@@ -120,6 +123,18 @@ def patch(module: ModuleType) -> Replacements:
     @functools.wraps(stock_generate)
     def _generate(self):
         serving.generate_restarting(self, stock_generate)
+
+    # mlx-lm 0.32.2 ResponseGenerator.generate(request, generation_args, progress_callback)
+    # raises what the generation thread put on the request's queue before its
+    # first response, and APIHandler.handle_completion answers any Exception
+    # from it with HTTP 404: a request the generation thread refused
+    # (serving.RequestRefused) passes it as serving.Refused to do_POST (400).
+    @functools.wraps(stock_rg_generate)
+    def generate(self, request, generation_args, progress_callback=None):
+        try:
+            return stock_rg_generate(self, request, generation_args, progress_callback)
+        except serving.RequestRefused as e:
+            raise serving.Refused(e) from None
 
     # mlx-lm 0.32.2 ResponseGenerator._serve_single calls the module-global
     # `stream_generate(model=..., tokenizer=..., prompt=rest, ...,
@@ -152,6 +167,9 @@ def patch(module: ModuleType) -> Replacements:
         info = getattr(self, "_mlx_lm_suffix", None)
         if info is None:
             return stock_handle_completion(self, request, stop_words)
+        # It reads self.stream_options["include_usage"] once the stream is
+        # done (a KeyError there: no [DONE]).
+        self.stream_options = serving.stream_options_with_usage(self.stream_options)
         serving.attach_request_info(request, info)
         serving.mark_generating(self)
         return stock_handle_completion(self, request, stop_words)
@@ -181,6 +199,9 @@ def patch(module: ModuleType) -> Replacements:
         serving.mark_generating(self, False)
         try:
             stock_do_post(self)
+        except serving.Refused as e:
+            serving.mark_generating(self, False)
+            serving.answer_error(self, e.args[0])
         except Exception as e:
             serving.answer_error(self, e)
 
@@ -210,6 +231,7 @@ def patch(module: ModuleType) -> Replacements:
         (rg_cls, "_tokenize", _tokenize),
         (rg_cls, "_next_request", _next_request),
         (rg_cls, "_generate", _generate),
+        (rg_cls, "generate", generate),
         (handler_cls, "validate_model_parameters", validate_model_parameters),
         (handler_cls, "handle_completion", handle_completion),
         (handler_cls, "generate_response", with_usage(handler_cls.generate_response)),

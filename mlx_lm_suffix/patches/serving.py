@@ -11,7 +11,10 @@ Plain logic called from the thin wrappers of :mod:`mlx_lm_suffix.patches.server`
   computes the cache scope; :func:`note_prompt` / :func:`batch_row_options`
   carry it from the tokenizer call to the batch row (same thread);
   :func:`single_stream_generate` routes the server's single-request path to
-  suffix decoding.
+  suffix decoding; :func:`check_for_model` refuses, in the generation
+  thread, what only the loaded model can tell is invalid (``logit_bias``
+  ids past its vocabulary) where the handler could not
+  (:class:`RequestRefused`, answered 400).
 - Failures: :func:`generate_restarting` restarts the generation loop after
   failing the requests in flight; :func:`answer_error` answers a POST whose
   handling raised.
@@ -80,6 +83,8 @@ class ModelEntry:
     batch_stats: BatchDraftStats
     # Whether requests wait in the server's queue (SuffixServing.requests_waiting).
     requests_waiting: Callable[[], bool]
+    # The length of the model's logits vector: token ids are below it.
+    output_size: int = 0
     persisted: bool = False
     # The model's batch generators alive (the server's generation thread).
     generators: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
@@ -154,7 +159,8 @@ class SuffixServing:
                         rollback.describe(cache),
                     )
                 entry = ModelEntry(
-                    key, mid, _model_name(model_path), drafter, BatchDraftStats(), self.requests_waiting
+                    key, mid, _model_name(model_path), drafter, BatchDraftStats(), self.requests_waiting,
+                    output_size=output_size(model, tokenizer),
                 )
                 self.entries[key] = entry
             # Kept on the model (modules are unhashable dicts).
@@ -164,6 +170,13 @@ class SuffixServing:
                     entry.model_id, entry.drafter, vocabulary_size(model, tokenizer)
                 )
             return entry
+
+    def output_size_for(self, key: Tuple[Any, ...]) -> Optional[int]:
+        """The logits length of the model with provider key ``key``, if it
+        has been loaded (an entry is never removed nor changed)."""
+        with self._lock:
+            entry = self.entries.get(key)
+        return entry.output_size if entry is not None else None
 
     def save(self) -> None:
         """Save the cache file, if any, where it changed."""
@@ -243,6 +256,22 @@ class SuffixServing:
             )
         payload.update(batch=batch.as_dict(), models=models)
         return payload
+
+
+def output_size(model: Any, tokenizer: Any) -> int:
+    """The length of ``model``'s logits vector: the shape of a one-token
+    forward on a scratch cache, built lazily and never evaluated (no
+    compute); :func:`~mlx_lm_suffix.persistence.vocabulary_size` where that
+    fails. Token ids at or past it index past the logits (a ``logit_bias``
+    there crashes the process); the tokenizer may know fewer ids."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    try:
+        n = int(model(mx.array([[0]]), cache=make_prompt_cache(model)).shape[-1])
+    except Exception:
+        n = 0
+    return n if n > 0 else vocabulary_size(model, tokenizer)
 
 
 def _model_name(model_path: str) -> str:
@@ -389,6 +418,56 @@ class DraftRefused(ValueError):
     """``draft_model: "suffix"`` sent to a server started without ``--draft suffix``."""
 
 
+class RequestRefused(ValueError):
+    """A request that is invalid for its model (HTTP 400 with this message)."""
+
+
+class Refused(BaseException):
+    """A :class:`RequestRefused` of the generation thread on its way from
+    ``ResponseGenerator.generate`` to ``do_POST`` (see
+    :mod:`mlx_lm_suffix.patches.server`), which answers 400 with its
+    message: not an ``Exception``, so that stock ``handle_completion``'s
+    ``except Exception`` (HTTP 404) lets it pass."""
+
+
+def check_logit_bias(bias: Any, size: Optional[int]) -> None:
+    """Raise :class:`RequestRefused` for a ``logit_bias`` key that is not a
+    token id of the model: negative, or at or past ``size`` (its logits'
+    length; None: not known yet). Stock indexes the logits with them
+    unchecked, which crashes the process. Keys that are not ints are left
+    to stock's validation."""
+    if not isinstance(bias, dict):
+        return
+    for key in bias:
+        if isinstance(key, int) and (key < 0 or (size is not None and key >= size)):
+            ids = f"0 to {size - 1}" if size is not None else "0 or more"
+            raise RequestRefused(
+                f"logit_bias key {key} is not a token id of this model (its token ids are {ids})"
+            )
+
+
+def _requested_key(handler: Any) -> Optional[Tuple[Any, ...]]:
+    """The ``ModelProvider.model_key`` of the request's model once loaded:
+    its names mapped as mlx-lm 0.32.2 ``ModelProvider.load`` maps them (a
+    suffix server's requests all ask for the default draft model)."""
+    provider = handler.response_generator.model_provider
+    try:
+        model, adapter = handler.requested_model, handler.adapter
+        adapter = provider._adapter_map.get(model, adapter)
+        model = provider._model_map.get(model, model)
+        draft = provider._draft_model_map.get("default_model", "default_model")
+    except (AttributeError, TypeError):
+        return None
+    return (model, adapter, draft)
+
+
+def wants_logprobs(handler: Any) -> bool:
+    """Whether the response carries logprobs (``logprobs``, or
+    ``top_logprobs`` > 0, which stock answers with them too)."""
+    top = getattr(handler, "top_logprobs", -1)
+    return getattr(handler, "logprobs", False) is True or (isinstance(top, int) and top > 0)
+
+
 def request_info(handler: Any) -> Optional[RequestInfo]:
     """Validate the suffix fields of a request (after stock validation).
 
@@ -435,19 +514,52 @@ def request_info(handler: Any) -> Optional[RequestInfo]:
     options = handler.body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise ValueError("stream_options must be an object")
+    # Token ids past the model's logits: checked here where the requested
+    # model has been loaded before (its size never changes), else in the
+    # generation thread once it is (check_for_model).
+    key = _requested_key(handler)
+    size = state.output_size_for(key) if key is not None else None
+    check_logit_bias(getattr(handler, "logit_bias", None), size)
     scope = None
     if state.scope != "global":
         scope = scope_key(handler.body, handler.headers, state.scope)
     handler.requested_draft_model = "default_model"
     # --num-draft-tokens is a hard limit: a request may lower it, not raise it.
     n = min(n, state.num_draft_tokens)
-    drafting = draft is not None and n > 0
+    # A verification forward's logprobs (and the K/V it leaves in the cache)
+    # differ from one-token steps' in the last bits, and so does the order
+    # of stock's unsorted top_logprobs: a request for them is not drafted.
+    drafting = draft is not None and n > 0 and not wants_logprobs(handler)
     return RequestInfo(
         drafting=drafting,
         num_draft_tokens=n if drafting else 0,
         scope=scope,
         usage=RequestUsage(),
     )
+
+
+def check_for_model(provider: Any, args: Any) -> None:
+    """In the generation thread, with the request's model loaded
+    (``provider.model``; ``args``: its ``GenerationArguments``): raise
+    :class:`RequestRefused` for what the handler could not check before
+    that model was loaded (``logit_bias`` ids past its logits)."""
+    if state_for(provider.cli_args) is None:
+        return
+    entry = _entry_for_model(provider.model)
+    logits = getattr(args, "logits", None)
+    check_logit_bias(
+        getattr(logits, "logit_bias", None), entry.output_size if entry is not None else None
+    )
+
+
+def stream_options_with_usage(options: Any) -> Any:
+    """``stream_options`` with ``include_usage`` (false where it is
+    missing): mlx-lm 0.32.2 ``APIHandler.handle_completion`` reads
+    ``stream_options["include_usage"]`` after the last event and, on a
+    KeyError, ends the stream without ``[DONE]``."""
+    if isinstance(options, dict) and "include_usage" not in options:
+        return {**options, "include_usage": False}
+    return options
 
 
 def attach_request_info(request: Any, info: Optional[RequestInfo]) -> None:
