@@ -56,6 +56,55 @@ def warn_no_rollback(model: nn.Module, cache: List[Any]) -> None:
     )
 
 
+def quantized_width(model: nn.Module, bits: int, group_size: int, limit: int) -> int:
+    """The widest forward, up to ``limit`` tokens, that writes the same
+    quantized keys and values into a ``bits``/``group_size`` KV cache as
+    one-token steps, bit for bit, on this machine (1: none wider); measured
+    once per model and setting, on scratch caches.
+
+    A wide forward computes keys and values in other kernels than one-token
+    steps, so they differ in the last bits; quantizing them moves a value
+    near a bin's edge into the next bin and shifts its group's scale, and
+    every later token attends to that: logits move by tenths, not by
+    rounding, and greedy output leaves stock's. Only forwards that quantize
+    to the same entries keep a quantized cache stock's (with OpenBLAS none
+    does; with reference BLAS, any)."""
+    widths = model.__dict__.setdefault("_mlx_lm_suffix_kv_widths", {})
+    key = (bits, group_size, limit)
+    if key in widths:
+        return widths[key]
+    vocab = getattr(getattr(model, "args", None), "vocab_size", 32)
+    context, tokens = mx.arange(64) % vocab, (mx.arange(limit) * 7919 + 3) % vocab
+
+    def scratch() -> List[Any]:
+        cache = make_prompt_cache(model)
+        model(context[None], cache=cache)
+        maybe_quantize_kv_cache(cache, 0, group_size, bits)
+        return cache
+
+    def entries(cache: List[Any], n: int) -> List[mx.array]:
+        # Each quantized layer's codes, scales and biases up to position n
+        # (mlx-lm 0.32.2: QuantizedKVCache.keys and .values are such tuples).
+        return [a[..., :n, :] for c in cache if hasattr(c, "bits")
+                for part in (c.keys, c.values) for a in part]
+
+    ref = scratch()
+    for i in range(limit):
+        model(tokens[None, i : i + 1], cache=ref)
+    cache, width = scratch(), 1
+    for w in range(2, limit + 1):
+        saved = rollback.checkpoint(cache)
+        model(tokens[None, :w], cache=cache)
+        n = context.size + w
+        same = all(mx.array_equal(a, b).item() for a, b in zip(entries(cache, n), entries(ref, n)))
+        rollback.undo(cache, saved, w, w)
+        if not same:
+            break
+        width = w
+    widths[key] = width
+    return width
+
+
 def context_limit(model: nn.Module) -> Optional[int]:
     """The longest sequence a draft may extend to: the model's
     ``max_position_embeddings`` when it has one (``max_kv_size`` is a window,
@@ -89,6 +138,8 @@ class _Single:
         self.kv_quantization = kv_quantization
         self.history = history  # the tokens in the cache, for logits processors
         self.ctx_limit = ctx_limit
+        #: The widest forward over the quantized cache (see :func:`quantized_width`).
+        self.kv_width = 1
         self.y, self.logprobs = first  # the pending token
         self.out: List[Tuple[int, mx.array, bool]] = []
         # The last verification: until keep(), what it fed and sampled;
@@ -98,12 +149,15 @@ class _Single:
         # step follows something else, so it is not timed).
         self.plain_at: Optional[float] = None
 
-    def forward(self, inputs: mx.array) -> Tuple[mx.array, mx.array, Any]:
+    def forward(self, inputs: mx.array, quantize: bool = True) -> Tuple[mx.array, mx.array, Any]:
         """Feed ``inputs`` (1-D): each position's sampled token and
         logprobs, scored as stock's steps score them, and the random states
-        of the draws (:func:`~mlx_lm_suffix.sampling.sample`)."""
+        of the draws (:func:`~mlx_lm_suffix.sampling.sample`). ``quantize``:
+        quantize the KV cache where stock would now (a verification does it
+        once its rejected positions are gone)."""
         logits = self.model(inputs[None], cache=self.cache)[0]
-        maybe_quantize_kv_cache(self.cache, *self.kv_quantization)
+        if quantize:
+            maybe_quantize_kv_cache(self.cache, *self.kv_quantization)
         if self.processors:
             logits = sampling.process(self.processors, self.history, inputs, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -141,7 +195,7 @@ class _Single:
         tokens = mx.array(inputs[0], mx.uint32)
         saved = rollback.checkpoint(self.cache)
         tic = time.perf_counter()
-        y, logprobs, states = self.forward(tokens)
+        y, logprobs, states = self.forward(tokens, quantize=False)
         targets = y.tolist()
         self.policy.observe(tokens.size, time.perf_counter() - tic)
         self._verified = (saved, tokens, logprobs, targets, states)
@@ -152,6 +206,7 @@ class _Single:
         saved, tokens, logprobs, targets, states = self._verified
         kept = tokens[: a + 1]
         since = self._undo(saved, tokens.size, tokens.size - a - 1, kept)
+        maybe_quantize_kv_cache(self.cache, *self.kv_quantization)
         sampling.rewind(states, a + 1)
         self.fed(kept)
         emitted = kept.tolist()
@@ -162,7 +217,20 @@ class _Single:
         self._verified = (saved, since, kept)
 
     def room(self) -> float:
-        return rollback.room(self.cache, self.ctx_limit)
+        n = rollback.room(self.cache, self.ctx_limit)
+        start, _, bits = self.kv_quantization
+        if bits is None:
+            return n
+        # A quantized KV cache takes forwards only as wide as quantize as
+        # one-token steps do; one not yet quantized, none past the position
+        # where stock converts it (a forward's later positions would see
+        # float keys that stock's saw quantized).
+        for c in self.cache:
+            if hasattr(c, "bits"):
+                n = min(n, self.kv_width)
+            elif hasattr(c, "to_quantized"):
+                n = min(n, max(0, start - c.offset))
+        return n
 
     def replays(self, width: int) -> bool:
         return rollback.replays(self.cache, width)
@@ -251,10 +319,13 @@ def _prefill(
 
 
 def _draft_limit(drafter: SuffixDrafter, model: nn.Module, cache: List[Any],
-                 num_draft_tokens: Optional[int]) -> int:
+                 num_draft_tokens: Optional[int], kv: Tuple[int, int, Optional[int]]
+                 ) -> Tuple[int, int]:
     """A request's most draft tokens a step: ``num_draft_tokens`` (default:
     the drafter's), or 0 where its cache cannot roll back (one warning);
-    the first that drafts measures the verification cost."""
+    the first that drafts measures the verification cost. And, with ``kv``
+    (start, group size, bits) quantizing the cache, the widest forward over
+    it (:func:`quantized_width`; 1, with one warning: none)."""
     if num_draft_tokens is None:
         num_draft_tokens = drafter.num_draft_tokens
     if num_draft_tokens < 0:
@@ -262,9 +333,22 @@ def _draft_limit(drafter: SuffixDrafter, model: nn.Module, cache: List[Any],
     if num_draft_tokens > 0 and not rollback.supports(cache):
         warn_no_rollback(model, cache)
         num_draft_tokens = 0
-    if num_draft_tokens > 0:
-        drafter.policy.ensure_cost(model)
-    return num_draft_tokens
+    if num_draft_tokens == 0:
+        return 0, 1
+    drafter.policy.ensure_cost(model)
+    _, group_size, bits = kv
+    width = 1 if bits is None else quantized_width(model, bits, group_size, num_draft_tokens + 1)
+    if bits is not None and width == 1 and not getattr(model, "_mlx_lm_suffix_kv_warned", False):
+        object.__setattr__(model, "_mlx_lm_suffix_kv_warned", True)
+        warnings.warn(
+            f"mlx-lm-suffix: on this machine a forward over more than one token quantizes "
+            f"keys and values (kv_bits={bits}) other than one-token steps do, which moves "
+            "greedy output away from stock's: drafts are verified only until the cache is "
+            "quantized (quantized_kv_start), then one token per step as stock.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return num_draft_tokens, width
 
 
 def _run(driver: _Single, limit: float) -> Generator[Tuple[int, mx.array, bool], None, None]:
@@ -334,9 +418,10 @@ def suffix_generate_step(
     if limit == 0:
         return
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, max_kv_size)
-    num_draft_tokens = _draft_limit(drafter, model, cache, num_draft_tokens)
-    prompt, sampler = prompt.astype(mx.uint32), sampler or greedy_sampler
     kv_quantization = (quantized_kv_start, kv_group_size, kv_bits)
+    num_draft_tokens, kv_width = _draft_limit(drafter, model, cache, num_draft_tokens,
+                                              kv_quantization)
+    prompt, sampler = prompt.astype(mx.uint32), sampler or greedy_sampler
     req = drafter.start(prompt.tolist() if draft_prompt is None else draft_prompt, draft_scope)
     row = Row(drafter, req, num_draft_tokens, limit, draft_usage or RequestUsage())
     with mx.stream(stream):
@@ -346,6 +431,7 @@ def suffix_generate_step(
                              drafter.policy if num_draft_tokens else None)
             driver = _Single(model, cache, row, drafter.policy, sampler, logits_processors,
                              kv_quantization, prompt, context_limit(model), first)
+            driver.kv_width = kv_width
             yield from _run(driver, limit)
         finally:
             drafter.finish(req)

@@ -328,3 +328,33 @@ def test_sampling_is_lossless_on_a_hybrid(tiny_family_path):
     assert chi2 < 37.7, (chi2, counts, n * joint)  # 15 dof, p = 0.001
     # Drafts were verified while sampling, and some rejected (restores).
     assert 0 < drafter.stats.accepted < drafter.stats.drafted
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2", "gpt_oss"])
+def test_quantized_kv_cache_as_stock(name, models_dir):
+    """``kv_bits`` 4 and 8, ``quantized_kv_start`` 0 and after the prompt,
+    on families with attention beside recurrent layers (their KV layers
+    quantize, the recurrent ones do not) and with sliding windows (stock
+    cannot quantize those: the same error): greedy tokens are stock's, each
+    prompt twice so the second drafts the first answer. The mini models:
+    their heads of 32 quantize in groups of 32."""
+    from mlx_lm_suffix.tools.models import ensure_model
+
+    model, tokenizer = load(str(ensure_model(name, "mini", cache_dir=models_dir)))
+    model.set_dtype(mx.float32)
+    prompts = _prompts(tokenizer, 4)[:4]
+    for bits, start in itertools.product((4, 8), (0, 60)):
+        kw = dict(max_tokens=24, kv_bits=bits, kv_group_size=32, quantized_kv_start=start)
+        drafter = SuffixDrafter(policy="fixed", num_draft_tokens=8)
+        for prompt in prompts:
+            try:
+                ref = [r.token for r in stream_generate(model, tokenizer, prompt, **kw)]
+            except NotImplementedError as e:  # sliding windows: stock's error
+                with pytest.raises(type(e)):
+                    list(stream_generate(model, tokenizer, prompt, draft_model=drafter, **kw))
+                continue
+            for _ in range(2):
+                out = [r.token for r in stream_generate(model, tokenizer, prompt,
+                                                        draft_model=drafter, **kw)]
+                assert out == ref, (name, bits, start)
+        assert name == "gpt_oss" or drafter.stats.accepted > 0

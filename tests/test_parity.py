@@ -145,3 +145,25 @@ def test_progress_names_each_prompt_and_run_with_its_tokens(tiny, prompts, monke
     during = [line for line in lines if line not in ends]
     assert len(during) == sum(res["tokens"] + sum(r["tokens"] for r in res["runs"]) for res in results)
     assert during[0].startswith("prompt 1/2 spec-off: 1/") and during[0].endswith(" s")
+
+
+@pytest.mark.parametrize("bits,start", [(4, 0), (8, None)])
+def test_parity_with_a_quantized_kv_cache(models_dir, prompts, bits, start):
+    """``--kv-bits`` 4 and 8 with ``--quantized-kv-start`` 0 and mlx-lm's
+    default reach every run (the mini model: its heads quantize in groups
+    of 32); spec-on decoding is EXACT."""
+    from mlx_lm_suffix.tools.models import ensure_model
+
+    model, tokenizer = par.load_model(ensure_model("qwen3", "mini", cache_dir=models_dir), "float32")
+    kv = dict(kv_bits=bits, kv_group_size=32)
+    if start is not None:
+        kv["quantized_kv_start"] = start
+    results = par.parity(model, tokenizer, prompts, max_tokens=MAX_TOKENS, **kv)
+    assert [r["status"] for r in results] == [par.EXACT] * len(prompts)
+    assert sum(r["runs"][1]["accepted"] for r in results) > 0
+    result = CliRunner().invoke(main, [
+        "parity", "--model", str(ensure_model("qwen3", "mini", cache_dir=models_dir)),
+        "--max-tokens", "8", "--kv-bits", str(bits), "--kv-group-size", "32",
+        *(["--quantized-kv-start", str(start)] if start is not None else []),
+    ])
+    assert result.exit_code == 0, result.output

@@ -183,6 +183,11 @@ def simulate_command(
     default=None,
     help="Cast the model weights to this dtype.",
 )
+@click.option("--kv-bits", type=click.IntRange(1, 8), default=None,
+              help="Quantize the KV cache to this many bits (as mlx_lm.generate's --kv-bits).")
+@click.option("--kv-group-size", default=64, show_default=True, type=int)
+@click.option("--quantized-kv-start", default=None, type=int,
+              help="Quantize the KV cache from this many tokens on. Default: mlx-lm's.")
 @click.option("--strict", is_flag=True, help="Exit non-zero on near ties too.")
 @_json_option("Write the per-prompt results to this JSON file.")
 @click.pass_context
@@ -195,6 +200,9 @@ def parity_command(
     top_k: int,
     tie_threshold: float,
     dtype: Optional[str],
+    kv_bits: Optional[int],
+    kv_group_size: int,
+    quantized_kv_start: Optional[int],
     strict: bool,
     json_out: Optional[str],
 ) -> None:
@@ -221,6 +229,9 @@ def parity_command(
         top_k=top_k,
         tie_threshold=tie_threshold,
         report=lambda line: click.echo(line, err=True),
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        **({} if quantized_kv_start is None else {"quantized_kv_start": quantized_kv_start}),
     )
     click.echo(par.format_report(results))
     if json_out:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..drafter import DEFAULT_NUM_DRAFT_TOKENS, SuffixDrafter
@@ -194,14 +194,15 @@ def _quiet(line: str) -> None:
     pass
 
 
-def prefill(model: nn.Module, prompt: Sequence[int]) -> Tuple[List[Any], List[int]]:
+def prefill(model: nn.Module, prompt: Sequence[int], **kv: Any) -> Tuple[List[Any], List[int]]:
     """A cache holding ``prompt`` but its last token (stock ``generate_step``'s
-    prefill and first step over them), and what is left to feed. Each run
-    takes a copy (:func:`copy.deepcopy`: the cache's arrays are its own)."""
+    prefill and first step over them, with ``kv``: its KV quantization
+    arguments), and what is left to feed. Each run takes a copy
+    (:func:`copy.deepcopy`: the cache's arrays are its own)."""
     cache = make_prompt_cache(model)
     if len(prompt) < 2:
         return cache, list(prompt)
-    for _ in generate_step(mx.array(prompt[:-1]), model, max_tokens=0, prompt_cache=cache):
+    for _ in generate_step(mx.array(prompt[:-1]), model, max_tokens=0, prompt_cache=cache, **kv):
         pass
     mx.eval([c.state for c in cache])
     return cache, list(prompt[-1:])
@@ -215,13 +216,15 @@ def reference_run(
     top_k: int,
     progress: Optional[Progress] = None,
     prompt_cache: Optional[List[Any]] = None,
+    **kv: Any,
 ) -> Tuple[List[int], List[Dict[int, float]]]:
     """Spec-off greedy tokens and, per position, the top-k ``{token: logprob}``
-    (``prompt``: the tokens not in ``prompt_cache``)."""
+    (``prompt``: the tokens not in ``prompt_cache``; ``kv``: the KV
+    quantization arguments of ``generate_step``)."""
     tokens: List[int] = []
     tops: List[Dict[int, float]] = []
     for tok, logprobs in generate_step(
-        mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=prompt_cache
+        mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=prompt_cache, **kv
     ):
         tokens.append(int(tok))
         tops.append(_top_k(logprobs, top_k))
@@ -283,6 +286,9 @@ def parity(
     tie_threshold: float = DEFAULT_TIE_THRESHOLD,
     step_fn: StepFn = suffix_generate_step,
     report: Callable[[str], None] = _quiet,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
 ) -> List[Dict[str, Any]]:
     """Compare spec-off and spec-on greedy decoding on each prompt.
 
@@ -299,6 +305,8 @@ def parity(
             num_draft_tokens=..., max_tokens=..., prompt_cache=...,
             draft_prompt=...)``; tests inject broken ones.
         report: Called with a line of progress (see :class:`Progress`).
+        kv_bits, kv_group_size, quantized_kv_start: KV cache quantization,
+            as for ``generate_step``, in every run.
 
     Returns:
         Per prompt: ``index``, ``prompt`` (a short preview),
@@ -315,15 +323,16 @@ def parity(
     # not it would pay, so that as many tokens as possible are checked.
     drafter = SuffixDrafter(num_draft_tokens=num_draft_tokens, policy="fixed")
     progress = Progress(report, len(prompts))
+    kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
     results = []
     for index, prompt in enumerate(prompts):
         ids = encode_prompt(tokenizer, prompt)
         progress.begin(index, "prefill")
-        cache, rest = prefill(model, ids)
+        cache, rest = prefill(model, ids, **kv)
         progress.end(len(ids) - len(rest))
         progress.begin(index, "spec-off")
         reference, tops = reference_run(
-            model, rest, max_tokens, eos, top_k, progress, copy.deepcopy(cache)
+            model, rest, max_tokens, eos, top_k, progress, copy.deepcopy(cache), **kv
         )
         progress.end(len(reference))
         runs = []
@@ -340,6 +349,7 @@ def parity(
                 max_tokens=max_tokens,
                 prompt_cache=copy.deepcopy(cache),
                 draft_prompt=ids,
+                **kv,
             ):
                 tokens.append(int(tok))
                 from_draft += bool(drafted)
