@@ -196,6 +196,22 @@ def test_stream_options_stream_to_done(stock, suffix, options):
 
 
 # ------------------------------------------------------ quantized KV cache
+# ------------------------------------------------------------------ seed
+def test_a_seed_reproduces_stocks_answer(stock, suffix):
+    """A sampled request with a seed, sent three times to the suffix server
+    (served one at a time, drafts verified: the text repeats), gives stock's
+    answer for that seed every time."""
+    text = "Repeat this exactly, three times: " + _source_text(7, 120)
+    kw = dict(temperature=0.8, seed=42, max_tokens=48)
+    want = answer(chat(stock, text, **kw))
+    drafted = 0
+    for _ in range(3):
+        reply = chat(suffix, text, **kw)
+        assert answer(reply) == want
+        drafted += reply["usage"]["draft_tokens"]
+    assert drafted > 0
+
+
 # ----------------------------------------------------- quantized KV cache
 def _kv_prompts(tokenizer) -> List[List[int]]:
     """20 prompts whose answers the next request repeats: 19 short ones and
