@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 from .copying import PromptCopy
-from .policy import LONG_MATCH, VerifyCost
+from .policy import VerifyCost
 from .policy.rules import Policy
 from .stats import DraftStats
 from .trees import SuffixTrees
@@ -291,7 +291,10 @@ class SuffixDrafter:
             return Draft()
         with self._lock:
             req = self._active[req_id]
-            tokens, probs, match = self._speculate(req_id, req, limit)
+            tokens, probs, match = self._trees.draft(
+                req_id, req.scope, req.context[-self.max_tree_depth :], limit,
+                self.max_spec_factor, self.max_spec_offset, self.min_token_prob,
+            )
             draft = Draft(tokens[:limit], probs[:limit], match)
             copy, run = req.copy.propose(limit), req.copy.run
         n = len(draft)
@@ -300,37 +303,6 @@ class SuffixDrafter:
         p = draft.probs[-1] if n else COPY_PROB
         probs = draft.probs + [p] * (len(copy) - n)
         return Draft(copy, probs, max(match, run), "copy", n, match)
-
-    def _speculate(self, req_id: int, req: _Request, limit: int) -> Tuple[List[int], List[float], int]:
-        """The trees' draft: tokens, estimates and match length.
-
-        arctic-inference drafts from the match that gives its best-scoring
-        draft, and the tree depth bounds a match and its draft together: a
-        repeated request's own answer, after a long match, may be drafted
-        shorter than the draft of a template match that several earlier
-        answers share, branching where they part. So where the trees' match
-        reaches a third of :data:`~mlx_lm_suffix.policy.LONG_MATCH` (shorter
-        matches are not repeats), the draft from a match of at least
-        LONG_MATCH tokens is preferred (a second walk, of the last LONG_MATCH
-        context tokens only), within the same limits; where the trees' draft
-        goes on from it, the rest is kept, estimated no higher."""
-        knobs = (self.max_spec_factor, self.max_spec_offset, self.min_token_prob)
-        tokens, probs, match = self._trees.speculate(
-            req_id, req.scope, req.context[-self.max_tree_depth :], limit, *knobs
-        )
-        n = int(min(limit, LONG_MATCH * self.max_spec_factor + self.max_spec_offset))
-        if n <= 0 or not tokens or not LONG_MATCH // 3 <= match < LONG_MATCH:
-            return tokens, probs, match
-        # Only a match of LONG_MATCH tokens or more allows a token.
-        deep, far, _ = self._trees.speculate(
-            req_id, req.scope, req.context[-LONG_MATCH - 1 :], n, float(n),
-            -float(n * (LONG_MATCH - 1)), self.min_token_prob,
-        )
-        if not deep:
-            return tokens, probs, match
-        n, low = len(deep), far[-1]
-        rest = tokens[n:] if tokens[:n] == deep else []
-        return deep + rest, far + [min(p, low) for p in probs[n : n + len(rest)]], LONG_MATCH
 
     def finish(self, req_id: int) -> None:
         """Stop a request. Its response stays in the global cache until evicted.

@@ -397,16 +397,14 @@ def suffix_generate_step(
     """Generate tokens with suffix drafting and greedy (or sampled) verification.
 
     Args:
-        prompt: The prompt tokens not yet in ``prompt_cache``.
-        model: The target model.
+        prompt, model: The prompt tokens not yet in ``prompt_cache``, the model.
         drafter: The :class:`SuffixDrafter` whose caches draft the tokens.
-        num_draft_tokens: Most tokens drafted per step (default: the
-            drafter's ``num_draft_tokens``).
+        num_draft_tokens: Most tokens drafted per step (default: the drafter's).
         max_tokens: Tokens to generate; ``-1`` for no limit.
         draft_prompt: The whole prompt for the request's own suffix tree when
             ``prompt`` is only its uncached tail (default: ``prompt``).
-        draft_scope: The drafter's cache partition (e.g. a user id).
-        draft_usage: The request's counts, updated as it generates.
+        draft_scope, draft_usage: The drafter's cache partition (e.g. a user
+            id); the request's counts, updated as it generates.
         Other arguments: as for ``mlx_lm.generate.generate_step``.
 
     Yields:

@@ -9,6 +9,8 @@ from typing import Dict, Hashable, List, Tuple
 
 from arctic_inference.suffix_decoding import SuffixDecodingCache
 
+from .policy.calibration import LONG_MATCH
+
 
 class ResponseStore:
     """The finished responses kept in the drafter's global trees, oldest
@@ -163,6 +165,34 @@ class SuffixTrees:
         other = cache._global_tree.speculate(context, *knobs)
         d = own if (own.match_len, own.score) >= (other.match_len, other.score) else other
         return list(d.token_ids), list(d.probs), int(d.match_len)
+
+    def draft(self, req_id: int, scope: Hashable, context: List[int], limit: int,
+              factor: float, offset: float, min_prob: float) -> Tuple[List[int], List[float], int]:
+        """The trees' draft after ``context`` (:meth:`speculate`), preferring
+        a long match's.
+
+        The tree depth bounds a match and its draft together, so a repeated
+        request's own answer, after a long match, may be drafted shorter
+        than the draft of a template match that several earlier answers
+        share, branching where they part. So where the best draft's match
+        reaches a third of :data:`~mlx_lm_suffix.policy.LONG_MATCH` (shorter
+        matches are not repeats), the draft from a match of at least
+        LONG_MATCH tokens is preferred (a second walk, of the last
+        LONG_MATCH context tokens only), within the same limits, its match
+        length read as LONG_MATCH; where the first draft goes on from it,
+        the rest is kept, estimated no higher."""
+        tokens, probs, match = self.speculate(req_id, scope, context, limit, factor, offset, min_prob)
+        n = int(min(limit, LONG_MATCH * factor + offset))
+        if n <= 0 or not tokens or not LONG_MATCH // 3 <= match < LONG_MATCH:
+            return tokens, probs, match
+        # Only a match of LONG_MATCH tokens or more allows a token.
+        deep, far, _ = self.speculate(req_id, scope, context[-LONG_MATCH - 1 :], n, float(n),
+                                      -float(n * (LONG_MATCH - 1)), min_prob)
+        if not deep:
+            return tokens, probs, match
+        n, low = len(deep), far[-1]
+        rest = tokens[n:] if tokens[:n] == deep else []
+        return deep + rest, far + [min(p, low) for p in probs[n : n + len(rest)]], LONG_MATCH
 
     def add(self, req_id: int, scope: Hashable, tokens: List[int]) -> None:
         """A finished response (e.g. from a file) into ``scope``'s global tree."""

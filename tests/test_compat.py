@@ -175,13 +175,16 @@ def test_incompatible_server_stays_stock(tiny_model_path, tmp_path, change):
 
 
 def test_failing_patch_leaves_everything_stock():
-    """A patch that raises while it is built: the import succeeds, one
-    warning, and nothing is patched (mlx_lm.generate's patch built fine)."""
+    """A patch whose target cannot be found when it is applied (here past
+    the checks, which would otherwise have refused it): the import
+    succeeds, one warning, and nothing is patched (every other target was
+    there)."""
     code = (
         "import sys\n"
-        "import mlx_lm_suffix.patches.server as server\n"
-        "def boom(module): raise RuntimeError('boom')\n"
-        "server.patch = boom\n"
+        "import mlx_lm_suffix.patches as patches\n"
+        "from mlx_lm_suffix.patches import compat\n"
+        "compat.missing = lambda patches=(): []\n"
+        "patches.PATCHES.append(compat.Patch('mlx_lm.server:APIHandler.boom', 'x', len))\n"
         "import mlx_lm, mlx_lm.server\n"
         "g = sys.modules['mlx_lm.generate']\n"
         "print([hasattr(f, '__wrapped__') for f in (mlx_lm.stream_generate, g.stream_generate,"
@@ -197,7 +200,4 @@ def test_failing_patch_leaves_everything_stock():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str([False] * 5)
     warnings = [line for line in out.stderr.splitlines() if "mlx-lm-suffix" in line]
-    assert warnings == [
-        "mlx-lm-suffix: patching mlx-lm failed (RuntimeError: boom); mlx-lm runs stock, "
-        "without suffix decoding."
-    ], out.stderr
+    assert len(warnings) == 1 and "'APIHandler' has no attribute 'boom'" in warnings[0], out.stderr

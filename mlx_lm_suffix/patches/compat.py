@@ -13,6 +13,7 @@ import dis
 import importlib
 import inspect
 import sys
+from dataclasses import dataclass
 from types import CodeType
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -226,6 +227,46 @@ ATTRIBUTES: Dict[str, Tuple[str, ...]] = {
 }
 
 
+@dataclass(frozen=True)
+class Patch:
+    """One replacement of mlx-lm: attribute ``name`` of ``target`` (a module,
+    ``"mlx_lm.server"``, or a class in it, ``"mlx_lm.server:APIHandler"``)
+    becomes ``new``, a named function (or a value), which reaches what it
+    replaced as ``original(new)``; written against mlx-lm ``versions``.
+    ``required``: applied only where the target is there when False."""
+
+    target: str
+    name: str
+    new: Any
+    versions: str = SUPPORTED_VERSIONS
+    required: bool = True
+
+
+def original(replacement: Any) -> Any:
+    """What a :class:`Patch`'s replacement replaced (set when applied)."""
+    return replacement.__wrapped__
+
+
+#: What the installed mlx-lm lacks, once it is left stock (the refusals'
+#: messages name it).
+MISSING: List[str] = []
+
+
+def in_range(version: str, spec: str) -> bool:
+    """Whether ``version`` (``"0.32.2"``) is within ``spec``, a comma-separated
+    list of ``>=`` and ``<`` bounds (:data:`SUPPORTED_VERSIONS`' form)."""
+
+    def parts(v: str) -> Tuple[int, ...]:
+        return tuple(int(p) for p in v.strip().split(".") if p.isdigit())
+
+    for bound in spec.split(","):
+        bound = bound.strip()
+        op, v = (">=", bound[2:]) if bound.startswith(">=") else ("<", bound[1:])
+        if (parts(version) >= parts(v)) != (op == ">="):
+            return False
+    return True
+
+
 class IncompatibleMlxLm(RuntimeError):
     """Suffix decoding was asked for, but this mlx-lm lacks what it relies on."""
 
@@ -235,11 +276,18 @@ def version() -> str:
     return getattr(sys.modules.get("mlx_lm"), "__version__", "(unknown version)")
 
 
-def missing() -> List[str]:
+def missing(patches: Sequence[Patch] = ()) -> List[str]:
     """What the installed mlx-lm lacks of :data:`SIGNATURES`,
-    :data:`LOOKUPS` and :data:`ATTRIBUTES`, one line each (empty: all there).
+    :data:`LOOKUPS`, :data:`ATTRIBUTES` and ``patches``' targets (and the
+    versions they were written against), one line each (empty: all there).
     Imports the modules it checks."""
     out = []
+    for p in patches:
+        target = f"{p.target}.{p.name}" if ":" in p.target else f"{p.target}:{p.name}"
+        problem = _resolve(target)[1]
+        if problem is None and not in_range(version(), p.versions):
+            problem = f"{_name(target)} as in mlx-lm {p.versions}"
+        out.extend([problem] if problem and problem not in out else [])
     for target, params in SIGNATURES.items():
         obj, problem = _resolve(target)
         if problem is None and params is not None:

@@ -499,21 +499,7 @@ def request_info(handler: Any) -> Optional[RequestInfo]:
         raise ValueError(f"num_draft_tokens must be a non-negative integer, got {n!r}")
     if n < 0:
         raise ValueError(f"num_draft_tokens must be a non-negative integer, got {n}")
-    if urlsplit(handler.path).path == "/v1/completions" and "prompt" in handler.body:
-        prompt = handler.body["prompt"]
-        if not isinstance(prompt, str) or not prompt:
-            # Stock: an empty one ends the generation thread, other types
-            # fail in the tokenizer.
-            raise ValueError("prompt must be a non-empty string")
-    stop = handler.body.get("stop")
-    if stop is not None and not (
-        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(w, str) for w in stop))
-    ):
-        # Stock: a TypeError in the generation thread, which ends it.
-        raise ValueError("stop must be a string or a list of strings")
-    options = handler.body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise ValueError("stream_options must be an object")
+    _check_body(handler)
     # Token ids past the model's logits: checked here where the requested
     # model has been loaded before (its size never changes), else in the
     # generation thread once it is (check_for_model).
@@ -536,6 +522,26 @@ def request_info(handler: Any) -> Optional[RequestInfo]:
         scope=scope,
         usage=RequestUsage(),
     )
+
+
+def _check_body(handler: Any) -> None:
+    """Raise ``ValueError`` for body fields stock would fail on in the
+    generation thread, ending it (its checks come later)."""
+    if urlsplit(handler.path).path == "/v1/completions" and "prompt" in handler.body:
+        prompt = handler.body["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            # Stock: an empty one ends the generation thread, other types
+            # fail in the tokenizer.
+            raise ValueError("prompt must be a non-empty string")
+    stop = handler.body.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(w, str) for w in stop))
+    ):
+        # Stock: a TypeError in the generation thread, which ends it.
+        raise ValueError("stop must be a string or a list of strings")
+    options = handler.body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise ValueError("stream_options must be an object")
 
 
 def check_for_model(provider: Any, args: Any) -> None:
