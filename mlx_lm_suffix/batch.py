@@ -208,17 +208,15 @@ class SuffixGenerationBatch(GenerationBatch):
     def filter(self, keep: List[int]) -> None:
         kept = set(keep)
         for i, row in enumerate(self.rows):
-            if i not in kept and row.req is not None:
-                self.drafter.finish(row.req)
+            if i not in kept:
+                row.finish()
         super().filter(keep)
         self.rows = [self.rows[i] for i in keep]
 
     def finish_all(self) -> None:
         """Stop every row's drafter request (the rows stay in the batch)."""
         for row in self.rows:
-            if row.req is not None:
-                self.drafter.finish(row.req)
-                row.req = None
+            row.finish()
 
     # ------------------------------------------------------------- steps
     def _step(self) -> Tuple[List[int], List[mx.array]]:

@@ -149,18 +149,22 @@ class _Single:
         # step follows something else, so it is not timed).
         self.plain_at: Optional[float] = None
 
-    def forward(self, inputs: mx.array, quantize: bool = True) -> Tuple[mx.array, mx.array, Any]:
+    def forward(self, inputs: mx.array, quantize: bool = True, single: bool = False
+                ) -> Tuple[mx.array, mx.array, Any]:
         """Feed ``inputs`` (1-D): each position's sampled token and
         logprobs, scored as stock's steps score them, and the random states
-        of the draws (:func:`~mlx_lm_suffix.sampling.sample`). ``quantize``:
-        quantize the KV cache where stock would now (a verification does it
-        once its rejected positions are gone)."""
+        of the draws (:func:`~mlx_lm_suffix.sampling.sample`; ``single``:
+        one position, one draw, as stock's step). ``quantize``: quantize the
+        KV cache where stock would now (a verification does it once its
+        rejected positions are gone)."""
         logits = self.model(inputs[None], cache=self.cache)[0]
         if quantize:
             maybe_quantize_kv_cache(self.cache, *self.kv_quantization)
         if self.processors:
             logits = sampling.process(self.processors, self.history, inputs, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if single:
+            return self.sampler(logprobs), logprobs, None
         y, states = sampling.sample(self.sampler, logprobs)
         return y, logprobs, states
 
@@ -176,7 +180,7 @@ class _Single:
 
     def plain(self) -> None:
         tok, logprobs = self.y, self.logprobs
-        self.y, self.logprobs, _ = self.forward(tok)
+        self.y, self.logprobs, _ = self.forward(tok, single=True)
         mx.async_eval(self.y, self.logprobs)
         t = tok.item()
         ready = time.perf_counter()
@@ -432,4 +436,4 @@ def suffix_generate_step(
             driver.kv_width = kv_width
             yield from _run(driver, limit)
         finally:
-            drafter.finish(req)
+            row.finish()

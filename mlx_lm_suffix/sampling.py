@@ -35,11 +35,12 @@ def process(
     inputs) plus ``inputs[: j + 1]``; positions from ``n`` on (padding) stay
     as they are."""
     n = inputs.size if n is None else n
+    seen = mx.concatenate([context, inputs])
     rows = []
     for j in range(logits.shape[0]):
         row = logits[j : j + 1]
         if j < n:
-            tokens = mx.concatenate([context, inputs[: j + 1]])
+            tokens = seen[: context.size + j + 1]
             for processor in processors:
                 row = processor(tokens, row)
         rows.append(row)

@@ -43,6 +43,9 @@ from .policy.rules import Policy
 from .stats import RequestUsage
 from .verification import accepted_length
 
+#: The most emitted tokens a row holds back from its drafter (see :class:`Row`).
+FLUSH = 32
+
 
 @dataclass(eq=False)
 class Row:
@@ -52,15 +55,20 @@ class Row:
     drafting), the tokens it may emit in all (``max_tokens``), and its counts
     (``usage``), which the drafter's totals follow.
 
-    Every draft it proposes is held against the tokens it then emits, verified
-    or not (:meth:`emit`): how far it held teaches the request's own
+    A row hands its emitted tokens and plain steps to the drafter in bulk:
+    when it walks the drafter's trees, every :data:`FLUSH` tokens (so that
+    other requests in flight draft from it), and when it finishes
+    (:meth:`finish`); a plain step itself costs a list append.
+
+    Every draft it proposes is held against the tokens it then emits,
+    verified or not (:meth:`emit`): how far it held teaches the request's own
     :class:`~mlx_lm_suffix.policy.calibration.RequestTrust` (``trust``, which
     the policy's cut reads), and while the emitted tokens follow it, its rest
-    is the next draft with no new walk of the trees (:meth:`propose`). A draft
-    that held for no token beyond what a plain step gives makes the row skip
-    its next proposals, 1, 3, 7, ... steps up to the policy's
-    :meth:`~mlx_lm_suffix.policy.rules.Policy.skips`; one that held resets
-    that."""
+    is the next draft with no new walk of the trees (:meth:`propose`). A
+    proposal that found nothing, or a draft that held for no token beyond
+    what a plain step gives, makes the row skip its next proposals, 1, 3,
+    7, ... steps up to the policy's :meth:`~mlx_lm_suffix.policy.rules.
+    Policy.skips`; a draft that held resets that."""
 
     drafter: Optional[SuffixDrafter]
     req: Optional[int]
@@ -68,12 +76,16 @@ class Row:
     max_tokens: float
     usage: RequestUsage = field(default_factory=RequestUsage)
     emitted: int = 0
-    # The pending token is committed to the drafter already (a settled draft
-    # comes after it).
+    # The pending token is committed already (a settled draft comes after it).
     ahead: bool = False
     trust: RequestTrust = field(default_factory=RequestTrust)
-    # The draft held against the emitted tokens: the tokens committed before
-    # it, how many it was compared with and held for, whether a plain
+    # Committed tokens and plain steps not handed to the drafter yet, and
+    # host seconds of drafting not yet in its totals.
+    _tokens: List[int] = field(default_factory=list)
+    _steps: int = 0
+    _host: float = 0.0
+    # The draft held against the committed tokens: the tokens committed
+    # before it, how many it was compared with and held for, whether a plain
     # forward was to check its first token; the proposals to skip and the
     # next skip.
     _draft: Optional[Draft] = None
@@ -83,8 +95,6 @@ class Row:
     _pipelined: bool = False
     _skip: int = 0
     _backoff: int = 0
-    # Host seconds of drafting not yet in the drafter's totals.
-    _host: float = 0.0
 
     def cap(self, room: float, settled: bool) -> int:
         """The most tokens a draft after the committed tokens may have: the
@@ -100,7 +110,7 @@ class Row:
     def propose(self, room: float, settled: bool) -> Draft:
         """The draft after the committed tokens, within :meth:`cap` (empty
         where it is below :func:`shortest`, or while the row skips): the
-        rest of the last draft where the emitted tokens followed it and it
+        rest of the last draft where the committed tokens followed it and it
         still fills half the cap, else the drafter's."""
         k = self.cap(room, settled)
         if self.req is None or k < shortest(settled):
@@ -115,6 +125,7 @@ class Row:
             return Draft()
         self._settle_watch()
         tic = time.perf_counter()
+        self._flush()
         draft = self.drafter.propose(self.req, k)
         self._host += time.perf_counter() - tic
         draft.trust = self.trust
@@ -122,36 +133,62 @@ class Row:
             self._draft, self._at = draft, committed
             self._seen = self._held = 0
             self._pipelined = not settled
+        else:
+            self._found(False)
         return draft
 
     def commit_ahead(self, token: int) -> None:
         """Commit the pending ``token`` before it is emitted."""
-        if self.ahead:
-            return
-        if self.req is not None:
-            self.drafter.commit(self.req, [token])
-        if self._draft is not None:
-            self._watch([token], self.emitted)
+        if not self.ahead:
+            self._commit([token], self.emitted)
         self.ahead = True
 
     def stepped(self, token: int) -> None:
         """A plain step emitted the pending ``token``: one forward."""
-        self.emit([token])
-        self.count()
+        if not self.ahead:
+            self._commit((token,), self.emitted)
+        self.ahead = False
+        self.emitted += 1
+        self.usage.steps += self.req is not None
+        self._steps += 1
 
     def emit(self, tokens: Sequence[int], drafted: int = 0) -> None:
         """``tokens`` are emitted in order, the pending token first;
         ``drafted`` of them were accepted draft tokens."""
-        new = tokens[1:] if self.ahead else tokens
-        if self.req is not None:
-            tic = time.perf_counter()
-            self.drafter.commit(self.req, new)
-            self._host += time.perf_counter() - tic
-        if self._draft is not None:
-            self._watch(new, self.emitted + self.ahead)
+        if self.ahead:
+            self._commit(tokens[1:], self.emitted + 1)
+        else:
+            self._commit(tokens, self.emitted)
         self.ahead = False
         self.emitted += len(tokens)
         self.usage.accepted += drafted
+
+    def _commit(self, tokens: Sequence[int], start: int) -> None:
+        """``tokens``, the request's ``start``-th on, are committed."""
+        if self.req is None or not tokens:
+            return
+        self._tokens.extend(tokens)
+        if self._draft is not None:
+            self._watch(tokens, start)
+        if len(self._tokens) >= FLUSH:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Hand the committed tokens and plain steps to the drafter."""
+        if self._tokens:
+            self.drafter.commit(self.req, self._tokens)
+            self._tokens = []
+        if self._steps:
+            self.count(steps=self._steps, counted=True)
+            self._steps = 0
+
+    def finish(self) -> None:
+        """The row is done: the drafter gets the rest of it, and the request
+        stops (its response stays in the global cache)."""
+        if self.req is not None:
+            self._flush()
+            self.drafter.finish(self.req)
+            self.req = None
 
     def _watch(self, tokens: Sequence[int], start: int) -> None:
         """Hold the watched draft against committed ``tokens``, the first of
@@ -171,14 +208,18 @@ class Row:
 
     def _settle_watch(self) -> None:
         """The watched draft is done with (it failed, ended, or a new one
-        comes): one that held no further than a plain step would have gone
-        makes the row skip proposals."""
+        comes)."""
         if self._draft is None:
             return
         self._draft = None
-        if not self._seen:
-            return
-        if self._held > self._pipelined:
+        if self._seen:
+            self._found(self._held > self._pipelined)
+
+    def _found(self, useful: bool) -> None:
+        """A proposal found a draft that held further than a plain step
+        would have gone, or did not (nothing, or wrong early): the row's
+        skips."""
+        if useful:
             self._backoff = 0
         else:
             self._skip = self._backoff
@@ -192,13 +233,14 @@ class Row:
         self.usage.accepted -= drafted
 
     def count(self, drafted: int = 0, accepted: int = 0, steps: int = 1,
-              draft: Optional[Draft] = None) -> None:
+              draft: Optional[Draft] = None, counted: bool = False) -> None:
         """Count ``steps`` forwards that verified ``drafted`` tokens of
         ``draft`` and accepted ``accepted`` of them (the drafter learns from
-        the draft's estimates)."""
+        the draft's estimates); ``counted``: in the usage already."""
         if self.req is None:
             return
-        self.usage.steps += steps
+        if not counted:
+            self.usage.steps += steps
         self.usage.drafted += drafted
         self.usage.host_s += self._host
         self.drafter.record(drafted, accepted, steps, draft, self._host)
@@ -253,11 +295,16 @@ def shortest(settled: bool) -> int:
     return 1 if settled else 2
 
 
-def propose(rows: Sequence[Row], room: float, settled: bool) -> Optional[List[Draft]]:
+def propose(rows: Sequence[Row], driver: Driver, settled: bool) -> Optional[List[Draft]]:
     """Each row's draft (:meth:`Row.propose`); None where no row may draft
     (then the ranks of a distributed server share nothing). Ranks other
     than 0 draft nothing: :func:`cut` gives them rank 0's drafts."""
-    if not any(r.req is not None and r.cap(room, settled) >= shortest(settled) for r in rows):
+    least, ahead = shortest(settled), 1 if settled else 0
+    if not any(r.req is not None and min(r.num_draft_tokens, r.max_tokens - r.emitted - ahead)
+               >= least for r in rows):
+        return None  # (the cache's room not asked: no row may draft)
+    room = driver.room()
+    if not any(r.req is not None and r.cap(room, settled) >= least for r in rows):
         return None
     if ranks.following():
         return [Draft() for _ in rows]
@@ -272,7 +319,7 @@ def _drafts(rows: Sequence[Row], driver: Driver, settled: bool, budget: Optional
     observe_host`)."""
     tic = time.perf_counter()
     if proposed is None:
-        proposed = propose(rows, driver.room(), settled)
+        proposed = propose(rows, driver, settled)
     cutting = time.perf_counter()
     drafts = cut(proposed, driver, settled, budget)
     n = sum(1 for d in proposed or () if d)

@@ -229,6 +229,7 @@ class ScriptedProcessor:
         self._lens = sorted({len(k) for k in self._by_anchor})
         self.hits = 0
         self._last: Optional[Tuple[int, int, List[int]]] = None
+        self._bias: Dict[Tuple[int, int, Any], Any] = {}
 
     def _follow(self, tokens: Any) -> Optional[int]:
         """The token after ``tokens`` by their length alone, once an earlier
@@ -281,8 +282,11 @@ class ScriptedProcessor:
         if tok is None:
             return logits
         self.hits += 1
-        onehot = mx.arange(logits.shape[-1]) == tok
-        return logits + onehot.astype(logits.dtype) * BIAS
+        bias = self._bias.get((tok, logits.shape[-1], logits.dtype))
+        if bias is None:  # one row per token, made once: a call is one addition
+            bias = (mx.arange(logits.shape[-1]) == tok).astype(logits.dtype) * BIAS
+            self._bias[(tok, logits.shape[-1], logits.dtype)] = bias
+        return logits + bias
 
 
 def _token_list(tokens: Any) -> List[int]:

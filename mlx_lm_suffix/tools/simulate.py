@@ -292,7 +292,7 @@ def replay(
     while driver.rows[0].emitted < len(response):
         settled = speculation.step(driver, settled)
     seconds = time.perf_counter() - tic
-    drafter.finish(req)
+    driver.rows[0].finish()
     return driver.total, seconds
 
 
