@@ -32,6 +32,7 @@ positions its cache can take and roll back (:meth:`Row.cap`).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Protocol, Sequence, Tuple
@@ -299,12 +300,13 @@ def propose(rows: Sequence[Row], driver: Driver, settled: bool) -> Optional[List
     """Each row's draft (:meth:`Row.propose`); None where no row may draft
     (then the ranks of a distributed server share nothing). Ranks other
     than 0 draft nothing: :func:`cut` gives them rank 0's drafts."""
-    least, ahead = shortest(settled), 1 if settled else 0
-    if not any(r.req is not None and min(r.num_draft_tokens, r.max_tokens - r.emitted - ahead)
-               >= least for r in rows):
-        return None  # (the cache's room not asked: no row may draft)
+    def may_draft(room: float) -> bool:
+        return any(r.req is not None and r.cap(room, settled) >= shortest(settled) for r in rows)
+
+    if not may_draft(math.inf):  # (then the cache's room need not be asked)
+        return None
     room = driver.room()
-    if not any(r.req is not None and r.cap(room, settled) >= least for r in rows):
+    if not may_draft(room):
         return None
     if ranks.following():
         return [Draft() for _ in rows]
