@@ -123,8 +123,8 @@ def replay(drafter: SuffixDrafter, prompt: Sequence[int], response: Sequence[int
     first token, which the prefill gave, not counted)."""
     cost = drafter.policy.cost
     total, _ = simulate.replay(drafter, simulate.Record(list(prompt), list(response)),
-                               lambda k: cost(k + 1))
-    return total - cost(1)
+                               lambda k: cost(k + 1) / cost(1), cost(1))
+    return total - 1.0
 
 
 def speedups(
@@ -139,7 +139,8 @@ def speedups(
     out = []
     for j in range(0, len(records), group):
         part = records[j : j + group]
-        d = SuffixDrafter(cost=VerifyCost(dict(curve), smoothing=0))
+        seconds = {n: c * simulate.DEFAULT_STEP_SECONDS for n, c in curve.items()}
+        d = SuffixDrafter(cost=VerifyCost(seconds, smoothing=0))
         d.policy.calibration = calib()
         if warm:
             d.add_responses((None, r["response"]) for r in part)

@@ -29,7 +29,8 @@ installed by :func:`serve_main` from ``$MLX_LM_SUFFIX_SCRIPT`` (a JSONL of
 
 Each suffix arm also reports the verification cost curve its drafter
 learnt (``verify_cost``: a forward over ``n`` tokens relative to a plain
-step; ``None`` with fixed lengths, which learn none) and its replays (a
+step, whose seconds are ``plain_step_s``; ``None`` with fixed lengths, which
+learn none) and its replays (a
 rejection on a model with recurrent state restores the state and feeds the
 kept tokens again): ``replays``, ``replayed_tokens`` and ``replay_share``,
 the share of the arm's time those forwards took, estimated from the curve
@@ -539,6 +540,7 @@ def run_inprocess_arms(
         if drafter is not None:
             cost = drafter.policy.cost
             out[a]["verify_cost"] = cost.relative() if cost is not None else None
+            out[a]["plain_step_s"] = cost(1) if cost is not None else None
     return out
 
 

@@ -91,6 +91,14 @@ def main() -> None:
     help='Measured forward times, JSON {"<tokens per forward>": time, ...} with '
     "key 1. Default: assume cost(k draft tokens) = 1 + 0.04 k decode steps.",
 )
+@click.option(
+    "--step-ms",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="Milliseconds of a plain decode step on the machine to tune for: the policy weighs "
+    "its host time (measured here) against steps this long.",
+)
 @click.option("--warm", is_flag=True, help="Fill the global cache with every response first.")
 @_json_option("Write the results (and the recommendation) to this JSON file.")
 def simulate_command(
@@ -104,6 +112,7 @@ def simulate_command(
     max_cached_requests: List[int],
     policy: List[str],
     cost_file: Optional[str],
+    step_ms: float,
     warm: bool,
     json_out: Optional[str],
 ) -> None:
@@ -123,7 +132,7 @@ def simulate_command(
     try:
         cost = sim.load_cost_file(cost_file) if cost_file else None
         records = sim.tokenize_records(sim.read_records(log), model)
-        results = sim.simulate(records, grid, cost=cost, warm=warm)
+        results = sim.simulate(records, grid, cost=cost, warm=warm, step_seconds=step_ms / 1000)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
     best = sim.recommend(results)

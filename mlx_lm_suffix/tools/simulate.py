@@ -14,9 +14,11 @@ checks a draft's first token, verifications of confirmed drafts, settled
 verifications of the pending token with a draft, the same caps and the same
 policy. With ``policy="adaptive"`` (the default, as in the server) each
 draft is cut by the cost-aware policy of :mod:`mlx_lm_suffix.policy`, which
-learns its calibration from the replayed steps and weighs them with the
-cost curve given (measured or assumed); ``"fixed"`` drafts as long as the
-limits let.
+learns its calibration from the replayed steps and its cost curve as the
+loop learns it: from the forwards it calibrates first (a 1- and a 2-token
+one), the prompt's prefill chunks and every verification, each priced by
+the cost curve given (measured or assumed); ``"fixed"`` drafts as long as
+the limits let.
 
 Each finished request stays in the drafter's global cache, so later records
 draft from earlier responses (one cache per ``"user"`` when records have one,
@@ -58,7 +60,9 @@ from typing import (
 
 from .. import speculation
 from ..drafter import SuffixDrafter
+from ..loop import PREFILL_POINT_TOKENS
 from ..policy import VerifyCost
+from ..policy.cost import CALIBRATION_SIZES
 from ..speculation import Row
 
 #: Knobs a grid may vary, in table order. Missing ones take SuffixDrafter's defaults.
@@ -88,6 +92,13 @@ SERVER_FLAGS = {
 #: close to a Mac GPU (or CPU with OpenBLAS) for small k; pass measured costs
 #: where they matter.
 DEFAULT_COST_PER_DRAFT_TOKEN = 0.04
+#: Seconds of a plain decode step where none is given (a small model on a
+#: Mac's GPU): the policy weighs the replay's host time, measured, against
+#: forwards of ``cost`` times this.
+DEFAULT_STEP_SECONDS = 0.01
+#: Tokens a prefill chunk of ``mlx_lm.stream_generate`` holds at most (its
+#: ``prefill_step_size`` default).
+PREFILL_STEP = 2048
 
 CostFn = Callable[[int], float]
 Grid = Union[Sequence[Mapping[str, Any]], Mapping[str, Any]]
@@ -107,10 +118,12 @@ def default_cost(k: int) -> float:
     return 1.0 + DEFAULT_COST_PER_DRAFT_TOKEN * k
 
 
-def policy_cost(cost: CostFn) -> VerifyCost:
-    """The adaptive policy's cost curve for a :data:`CostFn`: its values at
-    forwards of 1, 2, 4, ..., 512 tokens, fixed (nothing learnt online)."""
-    return VerifyCost({n: cost(n - 1) for n in (1 << i for i in range(10))}, smoothing=0)
+def policy_cost(cost: CostFn, step_seconds: float = DEFAULT_STEP_SECONDS) -> VerifyCost:
+    """The adaptive policy's cost curve (seconds) for a :data:`CostFn` and a
+    plain step of ``step_seconds``, as the loop's starts: the forwards it
+    calibrates (:data:`~mlx_lm_suffix.policy.cost.CALIBRATION_SIZES`), the
+    rest to learn from the replayed forwards."""
+    return VerifyCost({n: cost(n - 1) * step_seconds for n in CALIBRATION_SIZES})
 
 
 def cost_from_times(times: Mapping[Any, float]) -> CostFn:
@@ -236,10 +249,11 @@ class _Replay:
     """The driver of one recorded request (:class:`~mlx_lm_suffix.
     speculation.Driver`): its response plays the target model, which
     samples the response's next token after any input; a forward of ``n``
-    tokens costs ``cost(n - 1)``, summed in ``total``."""
+    tokens costs ``cost(n - 1)``, summed in ``total``, and the policy learns
+    it as ``step`` times that many seconds."""
 
-    def __init__(self, row: Row, response: List[int], policy: Any, cost: CostFn):
-        self.rows, self.policy, self.cost = [row], policy, cost
+    def __init__(self, row: Row, response: List[int], policy: Any, cost: CostFn, step: float):
+        self.rows, self.policy, self.cost, self.step = [row], policy, cost, step
         self.response = response
         self.at = 0  # where the pending token is in the response
         self.total = 0.0
@@ -256,6 +270,7 @@ class _Replay:
     def verify(self, inputs: List[List[int]]) -> List[List[int]]:
         self._fed = inputs[0]
         self.total += self.cost(len(self._fed) - 1)
+        self.policy.observe(len(self._fed), self.cost(len(self._fed) - 1) * self.step)
         after = self.response[self.at + 1 : self.at + 1 + len(self._fed)]
         return [after + [-1] * (len(self._fed) - len(after))]
 
@@ -271,7 +286,10 @@ class _Replay:
 
 
 def replay(
-    drafter: SuffixDrafter, record: Record, cost: CostFn = default_cost
+    drafter: SuffixDrafter,
+    record: Record,
+    cost: CostFn = default_cost,
+    step_seconds: float = DEFAULT_STEP_SECONDS,
 ) -> tuple[float, float]:
     """Replay one request through ``drafter`` as the single-sequence loop
     steps it (:func:`~mlx_lm_suffix.speculation.step`, pipelining
@@ -279,21 +297,38 @@ def replay(
     from the prompt's forward; every step is a plain forward (``cost(0)``),
     a plain forward and a verification of a confirmed draft, or, settled,
     a verification of the pending token and a draft of ``k`` tokens
-    (``cost(k)``).
+    (``cost(k)``). The policy learns each forward as ``step_seconds`` times
+    its cost (a plain step's seconds), to weigh against its host time.
 
     Returns ``(verification_cost, host_seconds)``: the summed ``cost`` of
     its forwards, and the wall time of the steps' own work (drafting and
     the policy)."""
     response = list(record.response)
+    prefill(drafter.policy, len(record.prompt), lambda k: cost(k) * step_seconds)
     req = drafter.start(record.prompt, scope=record.user)
     driver = _Replay(Row(drafter, req, drafter.num_draft_tokens, len(response)), response,
-                     drafter.policy, cost)
+                     drafter.policy, cost, step_seconds)
     settled, tic = False, time.perf_counter()
     while driver.rows[0].emitted < len(response):
         settled = speculation.step(driver, settled)
     seconds = time.perf_counter() - tic
     driver.rows[0].finish()
     return driver.total, seconds
+
+
+def prefill(policy: Any, tokens: int, seconds: CostFn) -> None:
+    """``policy`` learns from the prefill of a ``tokens``-token prompt
+    (a forward verifying ``k`` tokens taking ``seconds(k)``) as
+    the loop's does (:func:`~mlx_lm_suffix.loop._prefill`): mlx-lm's
+    ``generate_step`` feeds all but the last token in chunks of up to
+    :data:`PREFILL_STEP` tokens, and a chunk of at least
+    :data:`~mlx_lm_suffix.loop.PREFILL_POINT_TOKENS` is a point."""
+    left = tokens - 1
+    while left > 0:
+        n = min(PREFILL_STEP, left)
+        if n >= PREFILL_POINT_TOKENS:
+            policy.observe(n, seconds(n - 1))
+        left -= n
 
 
 def simulate(
@@ -303,6 +338,7 @@ def simulate(
     *,
     cost: Optional[CostFn] = None,
     warm: bool = False,
+    step_seconds: float = DEFAULT_STEP_SECONDS,
 ) -> List[Dict[str, Any]]:
     """Replay ``records`` in order once per grid point.
 
@@ -317,6 +353,7 @@ def simulate(
             see :func:`cost_from_times` for measured ones).
         warm: Replay twice: the first pass only fills the global cache with
             every response, the second is measured.
+        step_seconds: A plain decode step's seconds (see :func:`replay`).
 
     Returns:
         One dict per grid point: every knob, ``records``, ``tokens``,
@@ -329,13 +366,13 @@ def simulate(
     recs = tokenize_records(records, tokenizer)
     results = []
     for point in expand_grid(grid):
-        drafter = SuffixDrafter(**point, cost=policy_cost(cost))
+        drafter = SuffixDrafter(**point, cost=policy_cost(cost, step_seconds))
         if warm:
             drafter.add_responses((r.user, r.response) for r in recs)
         total_cost = 0.0
         seconds = 0.0
         for rec in recs:
-            c, s = replay(drafter, rec, cost)
+            c, s = replay(drafter, rec, cost, step_seconds)
             total_cost += c
             seconds += s
         st = drafter.stats
