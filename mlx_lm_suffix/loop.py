@@ -3,7 +3,9 @@
 :func:`suffix_generate_step` has the contract of mlx-lm's
 ``speculative_generate_step`` (it yields ``(token, logprobs, from_draft)``)
 and takes the keyword arguments of ``generate_step``, whose prefill it runs.
-It steps one row through :func:`~mlx_lm_suffix.speculation.step`;
+It steps one row through :func:`~mlx_lm_suffix.speculation.stepping`,
+yielding each token as soon as the forward after it is queued, as stock's
+step does;
 :class:`_Single` is its driver: the model's forwards on the request's cache,
 its positions scored as stock scores them (:mod:`~mlx_lm_suffix.sampling`),
 rejected positions undone by :mod:`~mlx_lm_suffix.rollback`.
@@ -357,24 +359,39 @@ def _draft_limit(drafter: SuffixDrafter, model: nn.Module, cache: List[Any],
 
 def _run(driver: _Single, limit: float) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Step the driver's row until it has emitted ``limit`` tokens, yielding
-    each emitted token; a consumer that stops takes back what it was not
-    given (:meth:`_Single.take_back`)."""
+    each emitted token as soon as the step has queued the forward after it
+    (:func:`~mlx_lm_suffix.speculation.stepping`), else after the step; a
+    consumer that stops takes back what it was not given
+    (:meth:`_Single.take_back`)."""
     row, settled = driver.rows[0], False
     while row.emitted < limit:
         before = row.emitted
-        settled = speculation.step(driver, settled)
-        out, driver.out = driver.out, []
-        for i, item in enumerate(out):
+        steps = speculation.stepping(driver, settled)
+        while True:
             try:
-                yielded = time.perf_counter()
-                yield item
-            except GeneratorExit:
-                driver.take_back(out[i + 1 :])
-                raise
-            if driver.plain_at is not None:
-                driver.plain_at += time.perf_counter() - yielded
+                next(steps)
+            except StopIteration as done:
+                settled = done.value
+                break
+            yield from _hand_out(driver)
+        yield from _hand_out(driver)
         if before // 256 != row.emitted // 256:
             mx.clear_cache()
+
+
+def _hand_out(driver: _Single) -> Generator[Tuple[int, mx.array, bool], None, None]:
+    """Yield the driver's emitted tokens (the consumer's time kept out of
+    the plain step's timing)."""
+    out, driver.out = driver.out, []
+    for i, item in enumerate(out):
+        try:
+            yielded = time.perf_counter()
+            yield item
+        except GeneratorExit:
+            driver.take_back(out[i + 1 :])
+            raise
+        if driver.plain_at is not None:
+            driver.plain_at += time.perf_counter() - yielded
 
 
 def suffix_generate_step(

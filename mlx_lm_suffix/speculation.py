@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Protocol, Sequence, Tuple
+from typing import Generator, List, Optional, Protocol, Sequence, Tuple
 
 from . import ranks
 from .drafter import Draft, SuffixDrafter
@@ -399,9 +399,23 @@ def _idle(driver: Driver, since: Optional[float], wait: bool = False) -> None:
 
 
 def step(driver: Driver, settled: bool, budget: Optional[float] = None) -> bool:
-    """One step of the driver's rows (see the module docstring); returns
-    whether their pending tokens are known after it and nothing computes.
-    ``budget``: the most seconds the step may take beyond a plain step."""
+    """One step of the driver's rows (:func:`stepping`, run through)."""
+    steps = stepping(driver, settled, budget)
+    try:
+        while True:
+            next(steps)
+    except StopIteration as done:
+        return done.value
+
+
+def stepping(driver: Driver, settled: bool, budget: Optional[float] = None
+             ) -> Generator[None, None, bool]:
+    """One step of the driver's rows (see the module docstring), pausing
+    once a plain forward is queued (while it runs, the driver may hand out
+    the tokens its rows emitted so far, as stock's step yields its token);
+    returns whether their pending tokens are known after it and nothing
+    computes. ``budget``: the most seconds the step may take beyond a plain
+    step."""
     early: Optional[List[Draft]] = None
     rows = driver.rows
     if settled and len(rows) == 1:
@@ -416,6 +430,7 @@ def step(driver: Driver, settled: bool, budget: Optional[float] = None) -> bool:
             return True
         _idle(driver, since)
     driver.plain()
+    yield
     if driver.rows != rows:  # rows finished: their drafts go with them
         early, rows = None, driver.rows
     if not rows:

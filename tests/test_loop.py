@@ -374,6 +374,24 @@ def test_cache_holds_exactly_prompt_plus_yielded_tokens(model_and_tokenizer):
             assert mx.allclose(c.keys[..., :n, :], f.keys[..., :n, :], atol=1e-4).item()
 
 
+def test_the_first_token_comes_before_any_verification(model_and_tokenizer):
+    """As stock's, the first token is yielded once the forward after it is
+    queued: no draft is checked or verified before the consumer has it (a
+    warm drafter drafts the whole answer from the first step on)."""
+    model, tokenizer = model_and_tokenizer
+    prompt = mx.array(_prompts(tokenizer, 2)[1])
+    drafter = SuffixDrafter(policy="fixed")
+    _suffix(model, prompt.tolist(), drafter, max_tokens=40)
+    stock, ours = make_prompt_cache(model), make_prompt_cache(model)
+    next(generate_step(prompt, model, max_tokens=40, prompt_cache=stock))
+    gen = suffix_generate_step(prompt, model, drafter, max_tokens=40, prompt_cache=ours)
+    before = drafter.stats.drafted
+    next(gen)
+    assert ours[0].offset == stock[0].offset == prompt.size + 1
+    assert drafter.stats.drafted == before
+    assert sum(f for *_, f in gen) > 20  # the rest came drafted
+
+
 def test_logits_processors_greedy_as_stock(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     procs = make_logits_processors(repetition_penalty=1.3, repetition_context_size=30)
