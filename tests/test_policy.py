@@ -517,3 +517,22 @@ def test_a_curve_too_dear_to_remeasure_is_explored_now_and_then():
     # A draft the curve accepts resets the count.
     cheap = policy.Policy("adaptive", VerifyCost({1: 1.0, 16: 1.1}))
     assert all(cheap.length(draft, pipelined=True) == 16 for _ in range(EXPLORE_AFTER + 2))
+
+
+def test_a_request_earns_no_more_trust_than_the_pool():
+    # A request's own record only lowers the pooled trust: where a forward
+    # costs nearly a plain step a token, one short copy that held must not
+    # make a long flat copy look certain (it was verified at 58 tokens and
+    # 2 held: 40 plain steps' time for 3 tokens).
+    from mlx_lm_suffix.policy.calibration import RequestTrust
+
+    quantized_cpu = VerifyCost({1: 1.0, 2: 1.85, 6: 5.54, 13: 10.5, 24: 19.4, 457: 279.0})
+    c, trust = Calibration(), RequestTrust()
+    for i in range(2):
+        trust.held([1.0, 1.0], i, True, "copy")
+    flat = [1.0] * 58
+    assert c.scale(flat, 8, "copy", trust=trust) == pytest.approx(c.scale(flat, 8, "copy"))
+    assert best_length(c.scale(flat, 8, "copy", trust=trust), quantized_cpu) <= 2
+    # Failures still cut it, below the pool's.
+    trust.held([1.0, 1.0], 1, False, "copy")
+    assert c.scale(flat, 8, "copy", trust=trust)[1] < c.scale(flat, 8, "copy")[1]

@@ -217,8 +217,9 @@ class RequestTrust:
     the one before) and source, the tokens it accepted and the raw
     estimates it was expected to (as :meth:`Calibration.update` counts
     them), and its ratio is ``(accepted + PRIOR * pooled) / (expected +
-    PRIOR)``: the pooled ratio is the prior, worth :data:`PRIOR` expected
-    token, so the request's own first draft already moves it: after ``n``
+    PRIOR)``, at most ``pooled``: the pooled ratio is the prior, worth
+    :data:`PRIOR` expected token, so the request's own first draft already
+    moves it down: after ``n``
     drafts whose tails failed at their first step (an estimate of about 1
     each) the tail ratio is ``pooled / (1 + n)``, and the policy verifies
     such tails only while that still pays on the cost curve (where a
@@ -232,7 +233,16 @@ class RequestTrust:
     draft the policy did not verify is evidence too (its tokens are held
     against what the model emitted), so a source the policy stopped
     verifying is verified again once its drafts hold, at no cost of the
-    device's."""
+    device's.
+
+    A request's own record only lowers the pooled ratio, never raises it
+    (raising is the pooled calibration's, which weighs every request's
+    verified drafts against a prior of ten expected tokens): the costs are
+    not symmetric. Trusting a draft too little loses at most what it would
+    have saved; trusting it too much loses the whole forward, and where a
+    forward costs nearly a plain step a token (a quantized model on a CPU),
+    one short draft that held would otherwise make a long flat one look
+    certain, whose failure costs tens of plain steps."""
 
     #: Expected tokens the pooled ratio is worth against the request's own.
     PRIOR = 1.0
@@ -247,7 +257,7 @@ class RequestTrust:
         """The ratio of ``part`` estimates from ``source`` for this request,
         given the pooled calibration's ``pooled``."""
         a, e = self.counts.get((part, source), (0.0, 0.0))
-        return (a + self.PRIOR * pooled) / (e + self.PRIOR)
+        return min(pooled, (a + self.PRIOR * pooled) / (e + self.PRIOR))
 
     def held(self, probs: Sequence[float], i: int, ok: bool, source: str = "tree",
              tree_len: int = 0) -> None:
