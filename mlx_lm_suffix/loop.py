@@ -37,13 +37,6 @@ from .stats import RequestUsage
 
 Pending = Tuple[mx.array, mx.array]  # (token of shape [1], logprobs of shape [1, V])
 
-#: The narrowest prefill chunk whose time becomes a point of the cost curve:
-#: the default draft limit, so the point lies past the widths drafts use and
-#: only anchors the curve there. (A chunk computes no logits; a narrow one
-#: could price below a verification of fewer tokens.)
-PREFILL_POINT_TOKENS = 64
-
-
 def warn_no_rollback(model: nn.Module, cache: List[Any]) -> None:
     """Warn once per model that its cache cannot roll back, so no drafting."""
     if getattr(model, "_mlx_lm_suffix_warned", False):
@@ -274,36 +267,18 @@ def _prefill(
     stream: mx.Stream,
     prefill_step_size: int,
     progress: Optional[Callable[[int, int], None]],
-    policy: Optional[Policy],
 ) -> Pending:
     """The prompt into the cache by mlx-lm's own ``generate_step`` (with
     ``max_tokens=0`` it runs the prefill and the first step, and yields
     nothing); its sampler is wrapped to keep the first token and logprobs.
-
-    Each prefill chunk is a forward over many tokens that generation takes
-    anyway: ``generate_step`` evaluates the cache after each chunk, then
-    reports progress, so the time between two reports is a chunk's forward,
-    and ``policy``'s cost curve gets a chunk of at least
-    :data:`PREFILL_POINT_TOKENS` as a point (:meth:`VerifyCost.observe`):
-    past the widths verified so far the curve then grows towards it instead
-    of extrapolating its first segment."""
+    (Its chunks' times are not cost points: a chunk's tokens cost less each
+    than a narrow verification's, and the cost curve interpolated towards
+    one priced the widths drafts use too low: see ``docs/design.md``.)"""
     first: List[mx.array] = []
 
     def keep_first(logprobs: mx.array) -> mx.array:
         first[:] = [sampler(logprobs), logprobs]
         return first[0]
-
-    last: List[float] = []  # (tokens, time) of the last report
-
-    def timed(done: int, total: int) -> None:
-        now = time.perf_counter()
-        # A chunk (not the last report, which follows the first step) wide
-        # enough that the forward's own work dominates, as a verification's.
-        if last and done - last[0] >= PREFILL_POINT_TOKENS and done < total:
-            policy.observe(int(done - last[0]), now - last[1])
-        last[:] = [done, now]
-        if progress is not None:
-            progress(done, total)
 
     start, group_size, bits = kv_quantization
     for _ in generate_step(
@@ -318,7 +293,7 @@ def _prefill(
         kv_bits=bits,
         kv_group_size=group_size,
         quantized_kv_start=start,
-        prompt_progress_callback=timed if policy is not None else progress,
+        prompt_progress_callback=progress,
     ):
         pass
     return first[0], first[1]
@@ -446,8 +421,7 @@ def suffix_generate_step(
     with mx.stream(stream):
         try:
             first = _prefill(model, cache, prompt, sampler, logits_processors, kv_quantization,
-                             stream, prefill_step_size, prompt_progress_callback,
-                             drafter.policy if num_draft_tokens else None)
+                             stream, prefill_step_size, prompt_progress_callback)
             driver = _Single(model, cache, row, drafter.policy, sampler, logits_processors,
                              kv_quantization, prompt, context_limit(model), first)
             driver.kv_width = kv_width

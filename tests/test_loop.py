@@ -559,13 +559,12 @@ def test_a_plain_step_is_timed_as_one_forward(model_and_tokenizer):
     assert len(plain) >= 5 and statistics.median(plain) < 1.6 * nap
 
 
-def test_prefill_chunks_become_cost_points(model_and_tokenizer):
-    # A prefill chunk is a forward over many tokens that generation takes
-    # anyway: its time becomes a point of the cost curve, so past the widths
-    # verified the curve grows towards it (not as its first segment); chunks
-    # narrower than PREFILL_POINT_TOKENS do not. Progress reports stay stock's.
-    from mlx_lm_suffix.loop import PREFILL_POINT_TOKENS
-
+def test_prefill_chunks_are_no_cost_points(model_and_tokenizer):
+    # A prefill chunk's tokens cost less each than a narrow verification's:
+    # a curve interpolated towards one priced the widths drafts use too low
+    # (a 4-bit model here: 19 tokens at 13 plain steps where they cost 17).
+    # So the curve holds the probe's sizes and what was verified, and the
+    # progress reports stay stock's.
     model, tokenizer = model_and_tokenizer
     text = Path(inspect.getsourcefile(inspect)).read_text()[5000:9000]
     prompt = tokenizer.encode(text)[:300]
@@ -577,10 +576,5 @@ def test_prefill_chunks_become_cost_points(model_and_tokenizer):
     out, _ = _suffix(model, prompt, drafter, max_tokens=8, prefill_step_size=step,
                      prompt_progress_callback=lambda *a: reports.append(a))
     assert out == ref and reports == stock_reports
-    points = drafter.policy.cost.points
-    assert step in points and 2 in points
-    assert points[step] > points[2]
-    # A prompt whose chunks are all narrower adds no point.
-    before = set(points)
-    _suffix(model, prompt[: PREFILL_POINT_TOKENS], drafter, max_tokens=4, prefill_step_size=PREFILL_POINT_TOKENS - 8)
-    assert set(drafter.policy.cost.points) <= before | {1, 2}
+    verified = {n + 1 for n in drafter.stats.lengths}  # with the token fed first
+    assert set(drafter.policy.cost.points) <= {1, 2} | verified | {n + 1 for n in verified}

@@ -16,7 +16,7 @@ policy. With ``policy="adaptive"`` (the default, as in the server) each
 draft is cut by the cost-aware policy of :mod:`mlx_lm_suffix.policy`, which
 learns its calibration from the replayed steps and its cost curve as the
 loop learns it: from the forwards it calibrates first (a 1- and a 2-token
-one), the prompt's prefill chunks and every verification, each priced by
+one) and every verification, each priced by
 the cost curve given (measured or assumed); ``"fixed"`` drafts as long as
 the limits let.
 
@@ -60,7 +60,6 @@ from typing import (
 
 from .. import speculation
 from ..drafter import SuffixDrafter
-from ..loop import PREFILL_POINT_TOKENS
 from ..policy import VerifyCost
 from ..policy.cost import CALIBRATION_SIZES
 from ..speculation import Row
@@ -96,9 +95,6 @@ DEFAULT_COST_PER_DRAFT_TOKEN = 0.04
 #: Mac's GPU): the policy weighs the replay's host time, measured, against
 #: forwards of ``cost`` times this.
 DEFAULT_STEP_SECONDS = 0.01
-#: Tokens a prefill chunk of ``mlx_lm.stream_generate`` holds at most (its
-#: ``prefill_step_size`` default).
-PREFILL_STEP = 2048
 
 CostFn = Callable[[int], float]
 Grid = Union[Sequence[Mapping[str, Any]], Mapping[str, Any]]
@@ -304,7 +300,6 @@ def replay(
     its forwards, and the wall time of the steps' own work (drafting and
     the policy)."""
     response = list(record.response)
-    prefill(drafter.policy, len(record.prompt), lambda k: cost(k) * step_seconds)
     req = drafter.start(record.prompt, scope=record.user)
     driver = _Replay(Row(drafter, req, drafter.num_draft_tokens, len(response)), response,
                      drafter.policy, cost, step_seconds)
@@ -314,21 +309,6 @@ def replay(
     seconds = time.perf_counter() - tic
     driver.rows[0].finish()
     return driver.total, seconds
-
-
-def prefill(policy: Any, tokens: int, seconds: CostFn) -> None:
-    """``policy`` learns from the prefill of a ``tokens``-token prompt
-    (a forward verifying ``k`` tokens taking ``seconds(k)``) as
-    the loop's does (:func:`~mlx_lm_suffix.loop._prefill`): mlx-lm's
-    ``generate_step`` feeds all but the last token in chunks of up to
-    :data:`PREFILL_STEP` tokens, and a chunk of at least
-    :data:`~mlx_lm_suffix.loop.PREFILL_POINT_TOKENS` is a point."""
-    left = tokens - 1
-    while left > 0:
-        n = min(PREFILL_STEP, left)
-        if n >= PREFILL_POINT_TOKENS:
-            policy.observe(n, seconds(n - 1))
-        left -= n
 
 
 def simulate(
