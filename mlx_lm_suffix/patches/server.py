@@ -195,15 +195,6 @@ def do_GET(self):
     self.wfile.flush()
 
 
-def _argparse_with(parser_cls: type) -> ModuleType:
-    """``argparse`` as seen from ``mlx_lm.server``: the real module, except
-    that ``ArgumentParser`` is ``parser_cls``."""
-    proxy = ModuleType("argparse")
-    proxy.__dict__.update(vars(argparse))
-    proxy.ArgumentParser = parser_cls
-    return proxy
-
-
 _SERVER, _PROVIDER = "mlx_lm.server", "mlx_lm.server:ModelProvider"
 _GENERATOR, _HANDLER = "mlx_lm.server:ResponseGenerator", "mlx_lm.server:APIHandler"
 
