@@ -10,11 +10,12 @@ reference answers cut at ``max_tokens``. Per workload, the requests replay in
 order through one fresh drafter with the run's knobs (as the cold arm's
 drafter takes them in each repetition), under the cost curve that arm's
 drafter learnt, each forward's cost in seconds by that arm's plain step
-(``plain_step_s``), which the policy weighs its host time against. The
-estimate is stock's decode forwards (one a token after the first) over the
-replay's, in plain steps; the measured figure has the loop's host work and
-waits in it besides, which the replay's cost does not (its own host time per
-token is printed beside it).
+(``plain_step_s``), which the policy weighs its host time against, and with
+the device's wait after each read of a forward's result that the arm
+measured (``idle_s_per_wait``; ``--no-wait``: none). The estimate is stock's
+decode forwards (one a token after the first) over the replay's, in plain
+steps; the measured figure has the rest of the loop's host work in it
+besides (the replay's own host time per token is printed beside it).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="a bench --out folder")
     ap.add_argument("--arm", default="suffix-cold")
+    ap.add_argument("--no-wait", action="store_true", help="replay with no waits")
     args = ap.parse_args()
     report = json.loads((args.out / "bench.json").read_text())
     if report["mode"] != "scripted":
@@ -48,18 +50,19 @@ def main() -> None:
         requests = bench.load_requests(records, tokenizer)
         cost = simulate.cost_from_times({int(n): v for n, v in arm["verify_cost"].items()})
         step = arm["plain_step_s"]
+        wait = 0.0 if args.no_wait else (arm.get("idle_s_per_wait") or 0.0) / step
         drafter = SuffixDrafter(**report["drafter"], cost=simulate.policy_cost(cost, step))
         forwards = tokens = host = 0.0
         for r in requests:
             response = r.reference_ids[:max_tokens]
             record = simulate.Record(r.prompt_ids, response)
-            total, seconds = simulate.replay(drafter, record, cost, step)
+            total, seconds = simulate.replay(drafter, record, cost, step, wait)
             forwards += total - cost(0)  # the first token is the prefill's
             tokens += len(response) - 1
             host += seconds
         st = drafter.stats
         print(f"{name:<12} {arm['decode_speedup_vs_stock']:>8.2f}x {tokens / forwards:>6.2f}x"
-              f" {1e6 * host / tokens:>8.0f}  steps/drafted/accepted: measured "
+              f" {1e6 * host / tokens:>8.0f}  wait {wait:.2f}; steps/drafted/accepted: measured "
               f"{arm['steps']:.0f}/{arm['drafted']:.0f}/{arm['accepted']:.0f} (mean of "
               f"repetitions), replayed {st.steps}/{st.drafted}/{st.accepted}")
 

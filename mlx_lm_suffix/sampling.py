@@ -44,7 +44,8 @@ def process(
             for processor in processors:
                 row = processor(tokens, row)
         rows.append(row)
-    return mx.concatenate(rows)
+    # (One position, as a plain step's: no copy of its vocabulary-wide row.)
+    return rows[0] if len(rows) == 1 else mx.concatenate(rows)
 
 
 def sample(sampler: Callable[[mx.array], mx.array], logprobs: mx.array

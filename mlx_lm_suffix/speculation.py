@@ -116,8 +116,7 @@ class Row:
         k = self.cap(room, settled)
         if self.req is None or k < shortest(settled):
             return Draft()
-        committed = self.emitted + self.ahead
-        if self._draft is not None and self._held == self._seen == committed - self._at > 0:
+        if self._following():
             rest = self._draft.after(self._held)
             if len(rest) >= max(shortest(settled), k // 2):
                 return rest.truncate(k)
@@ -131,12 +130,27 @@ class Row:
         self._host += time.perf_counter() - tic
         draft.trust = self.trust
         if draft:
-            self._draft, self._at = draft, committed
+            self._draft, self._at = draft, self.emitted + self.ahead
             self._seen = self._held = 0
             self._pipelined = not settled
         else:
             self._found(False)
         return draft
+
+    def _following(self) -> bool:
+        """Whether the committed tokens followed the watched draft so far."""
+        committed = self.emitted + self.ahead
+        return self._draft is not None and self._held == self._seen == committed - self._at > 0
+
+    def resting(self) -> bool:
+        """Whether the row proposes nothing this step whatever its room: it
+        does not draft, or it skips proposals and follows no draft."""
+        return self.req is None or (self._skip > 0 and not self._following())
+
+    def rest(self) -> None:
+        """A step that asked no row for a draft: a skip is counted."""
+        if self.req is not None and self._skip:
+            self._skip -= 1
 
     def commit_ahead(self, token: int) -> None:
         """Commit the pending ``token`` before it is emitted."""
@@ -305,6 +319,11 @@ def propose(rows: Sequence[Row], driver: Driver, settled: bool) -> Optional[List
 
     if not may_draft(math.inf):  # (then the cache's room need not be asked)
         return None
+    if all(r.resting() for r in rows) and ranks.group() is None:
+        # Nor while every row skips (in one process: ranks decide by room).
+        for r in rows:
+            r.rest()
+        return [Draft() for _ in rows]
     room = driver.room()
     if not may_draft(room):
         return None

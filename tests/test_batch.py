@@ -385,7 +385,7 @@ def test_requests_waiting_to_be_inserted_get_plain_steps(model_and_tokenizer, pr
     max_tokens = 3 * MAX_TOKENS
     ref, _ = _stock_run(model, tokenizer, repeats, [max_tokens] * 3)
     for policy in ("fixed", "adaptive"):
-        cost = VerifyCost({1: 1e-6, 256: 1.05e-6}, smoothing=0)  # nearly free
+        cost = VerifyCost({1: 1.0, 256: 1.05}, smoothing=0)  # nearly free
         drafter = SuffixDrafter(policy=policy, cost=cost if policy == "adaptive" else None)
         warm = _suffix_gen(model, tokenizer, drafter)
         _run(warm, repeats, [max_tokens] * 3)  # the repeats' answers are cached
@@ -454,7 +454,7 @@ def test_verification_while_prompts_wait_within_their_share(model_and_tokenizer,
     counts = {}
     for share in (0.0, 1e6):
         monkeypatch.setattr(batch_module, "PREFILL_SHARE", share)
-        cost = VerifyCost({1: 1e-6, 256: 1.05e-6}, smoothing=0)  # nearly free
+        cost = VerifyCost({1: 1.0, 256: 1.05}, smoothing=0)  # nearly free
         drafter = SuffixDrafter(policy="adaptive", cost=cost)
         warm = _suffix_gen(model, tokenizer, drafter)
         _run(warm, repeats, [max_tokens] * 3)  # the repeats' answers are cached

@@ -298,6 +298,30 @@ def test_pipelined_drafts_pay_only_for_their_tail():
     assert best_length(_cum(0.8, 16), MID, pipelined=True) == tail + 1
 
 
+def test_the_wait_after_each_read_is_priced():
+    """A verification, and pipelined a check of a first token, make the
+    device wait for the host after the forward (plain steps do not): a
+    draft that pays without that wait is not verified, nor checked, where
+    the wait eats its saving; a likely draft is verified longer, over more
+    tokens to share it."""
+    likely, unsure = _cum(0.95, 16), _cum(0.6, 16)
+    assert best_length(unsure, MID) == 2 and best_length(unsure, MID, wait=1.0) == 0
+    assert best_length(unsure, MID, pipelined=True) == 3
+    assert best_length(unsure, MID, pipelined=True, wait=0.5) == 0
+    assert best_length(likely, MID, wait=1.0) > best_length(likely, MID) > 0
+    # A sure tail is still worth checking behind an unlikely first token.
+    assert best_length([0.2] * 8, MID, pipelined=True, wait=1.0) == 8
+    rows = [_cum(0.9, 8), _cum(0.5, 8)]
+    assert best_batch_lengths(rows, MID, pipelined=True) == [4, 4]
+    assert best_batch_lengths(rows, MID, pipelined=True, wait=0.3) == [0, 0]
+    # The policy's wait is the stats' mean idle per wait.
+    p = Policy(cost=MID)
+    draft = Draft(tokens=list(range(16)), probs=unsure, match_len=32)
+    assert p.wait_s == 0.0 and p.length(draft, pipelined=True) > 0
+    p.stats.waits, p.stats.idle_s = 4, 2.0
+    assert p.wait_s == 0.5 and p.length(draft, pipelined=True) == 0
+
+
 def test_batch_width_accounts_for_longest_row():
     # One confident long row and seven rows with nothing: the whole batch
     # pays for the long row's width, so it is kept short on a linear curve...

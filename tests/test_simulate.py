@@ -8,6 +8,7 @@ from click.testing import CliRunner
 from mlx_lm_suffix.drafter import DEFAULT_MAX_TREE_DEPTH, SuffixDrafter
 from mlx_lm_suffix.tools.cli import main
 from mlx_lm_suffix.tools.simulate import (
+    DEFAULT_STEP_SECONDS,
     Record,
     cost_from_times,
     default_cost,
@@ -154,6 +155,27 @@ def test_adaptive_policy_is_replayed():
     assert adaptive["est_speedup"] > fixed["est_speedup"]
     (res,) = simulate(CORPUS, {k: v for k, v in KNOBS.items() if k != "policy"})
     assert res["policy"] == "adaptive" and res["drafted"] == res["accepted"] == 7
+
+
+def test_replay_waits_after_each_read():
+    """Each forward whose result the host reads (a verification, a check of
+    first tokens) costs the replay ``wait`` plain steps, and the policy
+    learns it as idle time: the fixed policy's forwards are the same with it
+    and cost that much more; the adaptive policy stops verifying drafts that
+    cannot pay for it."""
+    (none,) = simulate(CORPUS, KNOBS)
+    (waits,) = simulate(CORPUS, KNOBS, wait=0.5)
+    assert waits["steps"] == none["steps"] and waits["drafted"] == none["drafted"] == 7
+    drafter = SuffixDrafter(**KNOBS)
+    costs = [replay(drafter, r, wait=0.5)[0] for r in CORPUS]
+    reads = drafter.stats.waits  # record 2: a check and two verifications
+    assert reads == 3 and sum(costs) == pytest.approx(17.24 + 0.5 * reads)
+    assert drafter.policy.wait_s >= 0.5 * DEFAULT_STEP_SECONDS
+    wrong = [Record([5, 6, 7, 8] * 4, [5, 6, 1000 + 3 * k, 1001 + 3 * k]) for k in range(20)]
+    adaptive = {**KNOBS, "policy": "adaptive"}
+    (cheap,) = simulate(wrong, adaptive)
+    (dear,) = simulate(wrong, adaptive, wait=2.0)
+    assert cheap["drafted"] > 0 and dear["drafted"] < cheap["drafted"]
 
 
 def test_recommend_and_server_command():

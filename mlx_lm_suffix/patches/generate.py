@@ -61,6 +61,9 @@ def format_stats(stats: dict) -> str:
         line += f"; {stats['refused']} drafts not verified: they would not pay"
     if stats.get("steps"):
         line += f"; drafting took {stats['host_us_per_step']:.0f} us/step of host time"
+    if stats.get("waits"):
+        line += (f"; {stats['waits']} reads of a forward's result, the device idle "
+                 f"{stats['idle_us_per_wait']:.0f} us after each")
     return line
 
 

@@ -116,7 +116,8 @@ class Policy:
         if budget is not None and not self.cost_aware:
             return 0
         if n and self.cost_aware:
-            chosen = best_length(self.probs(draft), self.cost, pipelined, replay, budget)
+            chosen = best_length(self.probs(draft), self.cost, pipelined, replay, budget,
+                                 self.wait_s)
             n = chosen if budget is not None else self._explore(chosen, n)
         return 0 if pipelined and n < 2 else n
 
@@ -156,7 +157,7 @@ class Policy:
             return [0] * len(drafts)
         if self.cost_aware and any(lengths):
             probs = [self.probs(d) for d in drafts]
-            chosen = best_batch_lengths(probs, self.cost, True, replay, budget)
+            chosen = best_batch_lengths(probs, self.cost, True, replay, budget, self.wait_s)
             if budget is None and self._explore(max(chosen), max(lengths)) and not any(chosen):
                 chosen = [min(n, 2) for n in lengths]
             lengths = chosen
@@ -173,6 +174,20 @@ class Policy:
             draft.tree_len,
             draft.tree_match,
         )
+
+    @property
+    def wait_s(self) -> float:
+        """The seconds the host works after reading a forward's result (a
+        verification's, or a plain forward's that checks first tokens)
+        before it builds the next forward: the mean of :attr:`stats`
+        (``idle_s`` over ``waits``). A plain step's host work runs while the
+        forward before it computes, so this is what a verification or a
+        check costs beyond its forward; the rules price it
+        (:func:`best_length`). (The next forward's graph, built after it,
+        is not counted: on a GPU the device waits for that too, on a CPU
+        backend a plain step builds its graph while nothing else computes
+        either.)"""
+        return self.stats.idle_s / self.stats.waits if self.stats.waits else 0.0
 
     def observe_host(self, seconds: float) -> None:
         """A proposal and its cut took ``seconds`` of host time."""
@@ -208,6 +223,7 @@ def best_length(
     pipelined: bool = False,
     replay: bool = False,
     budget: Optional[float] = None,
+    wait: float = 0.0,
 ) -> int:
     """Draft length maximising expected committed tokens per second for one
     sequence; ``0`` when no draft beats a plain step. ``probs``: cumulative
@@ -228,18 +244,28 @@ def best_length(
     ``budget``: lengths whose step would take more than this many seconds
     beyond a plain step are not considered (pipelined, the whole verifying
     forward comes after the plain one).
+
+    ``wait``: the seconds the device waits for the host after a forward
+    whose result the host reads (:attr:`Policy.wait_s`), which plain steps
+    do not cost (each is queued while the one before runs): a verification
+    costs it beyond its forward, and pipelined, so does the check of a
+    first token that fails; a draft is checked only when what its tail
+    saves, given its first token, covers the checks that fail.
     """
     if pipelined:
         rest = None if budget is None else budget - cost(1)
-        tail = best_length(given_first(probs), cost, replay=replay, budget=rest)
-        return tail + 1 if tail else 0
+        tail_probs = given_first(probs)
+        tail = best_length(tail_probs, cost, replay=replay, budget=rest, wait=wait)
+        if not tail:
+            return 0
+        saved = (1.0 + sum(tail_probs[:tail])) * cost(1) - _verify_s(tail_probs, tail, cost,
+                                                                     replay, wait)
+        return tail + 1 if probs[0] * saved >= (1.0 - probs[0]) * wait else 0
     best, best_rate = 0, 1.0 / cost(1)
     gain = 1.0
     for i, p in enumerate(probs):
         gain += p
-        step = cost(i + 2)
-        if replay:
-            step += (1.0 - p) * cost(max(1, round(gain)))
+        step = _verify_s(probs, i + 1, cost, replay, wait)
         if budget is not None and step - cost(1) > budget:
             continue
         rate = gain / step
@@ -248,12 +274,23 @@ def best_length(
     return best
 
 
+def _verify_s(probs: Sequence[float], n: int, cost: VerifyCost, replay: bool, wait: float
+              ) -> float:
+    """Expected seconds of verifying the first ``n`` tokens of a draft
+    after a known token (see :func:`best_length`)."""
+    step = cost(n + 1) + wait
+    if replay:
+        step += (1.0 - probs[n - 1]) * cost(max(1, round(1.0 + sum(probs[:n]))))
+    return step
+
+
 def best_batch_lengths(
     probs: List[Sequence[float]],
     cost: VerifyCost,
     pipelined: bool = False,
     replay: bool = False,
     budget: Optional[float] = None,
+    wait: float = 0.0,
 ) -> List[int]:
     """Draft lengths for the rows of a batch whose forward feeds every row's
     last committed token plus its draft. The longest row sets the forward's
@@ -286,8 +323,11 @@ def best_batch_lengths(
     expected tokens.
 
     ``budget``: widths whose step would take more than this many seconds
-    beyond the batch's plain step are not considered."""
-    width, _ = _best_width(probs, cost, pipelined, replay, budget)
+    beyond the batch's plain step are not considered.
+
+    ``wait``: as for :func:`best_length`; pipelined, a check in which no
+    row's first token holds costs it alone."""
+    width, _ = _best_width(probs, cost, pipelined, replay, budget, wait)
     if pipelined:
         tails = [given_first(p) for p in probs]
         return [min(len(t), width) + 1 if width and t else 0 for t in tails]
@@ -300,6 +340,7 @@ def _best_width(
     pipelined: bool,
     replay: bool = False,
     budget: Optional[float] = None,
+    wait: float = 0.0,
 ) -> Tuple[int, float]:
     """The batch width of :func:`best_batch_lengths` (of the tails, when
     ``pipelined``) and the time it saves against plain steps (0 if none
@@ -308,8 +349,9 @@ def _best_width(
     if B == 0:
         return 0, 0.0
     plain = cost(B)
-    sunk_tokens = sunk_cost = 0.0
+    sunk_tokens = sunk_cost = missed = 0.0
     if pipelined:
+        missed = math.prod(1.0 - p[0] for p in probs if p)  # no first token holds
         probs = [given_first(p) for p in probs]
         sunk_tokens, sunk_cost = B, plain
     k_max = max((len(p) for p in probs), default=0)
@@ -319,7 +361,7 @@ def _best_width(
     best_k, best_saved = 0, 0.0
     for k in range(1, k_max + 1):
         gain = sunk_tokens + B + sum(c[min(k, len(c)) - 1] for c in sums)
-        step = sunk_cost + cost(B * (k + 1), rows=B)
+        step = sunk_cost + cost(B * (k + 1), rows=B) + wait
         if replay:
             # Rows without a draft accept all of it; the others' chance.
             full = math.prod(p[min(k, len(p)) - 1] for p in probs if p)
@@ -328,7 +370,7 @@ def _best_width(
             continue
         # The time plain steps (by the margin) would take, less the step's:
         # positive exactly when the step commits tokens faster than them.
-        saved = gain / ref - step
+        saved = (1.0 - missed) * (gain / ref - step) - missed * wait
         if saved > best_saved:
             best_k, best_saved = k, saved
     return best_k, best_saved

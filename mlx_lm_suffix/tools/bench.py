@@ -541,6 +541,7 @@ def run_inprocess_arms(
             cost = drafter.policy.cost
             out[a]["verify_cost"] = cost.relative() if cost is not None else None
             out[a]["plain_step_s"] = cost(1) if cost is not None else None
+            out[a]["idle_s_per_wait"] = drafter.policy.wait_s
     return out
 
 

@@ -99,6 +99,15 @@ def main() -> None:
     help="Milliseconds of a plain decode step on the machine to tune for: the policy weighs "
     "its host time (measured here) against steps this long.",
 )
+@click.option(
+    "--wait-ms",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Milliseconds the device waits for the host after a verification or a check of "
+    "first tokens on that machine (idle_us_per_wait in /v1/suffix/stats or generate "
+    "--verbose): each costs that, and the policy prices it.",
+)
 @click.option("--warm", is_flag=True, help="Fill the global cache with every response first.")
 @_json_option("Write the results (and the recommendation) to this JSON file.")
 def simulate_command(
@@ -113,6 +122,7 @@ def simulate_command(
     policy: List[str],
     cost_file: Optional[str],
     step_ms: float,
+    wait_ms: float,
     warm: bool,
     json_out: Optional[str],
 ) -> None:
@@ -132,7 +142,8 @@ def simulate_command(
     try:
         cost = sim.load_cost_file(cost_file) if cost_file else None
         records = sim.tokenize_records(sim.read_records(log), model)
-        results = sim.simulate(records, grid, cost=cost, warm=warm, step_seconds=step_ms / 1000)
+        results = sim.simulate(records, grid, cost=cost, warm=warm, step_seconds=step_ms / 1000,
+                               wait=wait_ms / step_ms)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
     best = sim.recommend(results)

@@ -246,26 +246,40 @@ class _Replay:
     speculation.Driver`): its response plays the target model, which
     samples the response's next token after any input; a forward of ``n``
     tokens costs ``cost(n - 1)``, summed in ``total``, and the policy learns
-    it as ``step`` times that many seconds."""
+    it as ``step`` times that many seconds. Each time the host reads a
+    forward's result before it queues the next (a verification, a check of
+    first tokens) the device waits ``wait`` more (in plain steps, in
+    ``total``; as seconds in the policy's idle time, which it prices)."""
 
-    def __init__(self, row: Row, response: List[int], policy: Any, cost: CostFn, step: float):
+    def __init__(self, row: Row, response: List[int], policy: Any, cost: CostFn, step: float,
+                 wait: float = 0.0):
         self.rows, self.policy, self.cost, self.step = [row], policy, cost, step
-        self.response = response
+        self.response, self.wait = response, wait
         self.at = 0  # where the pending token is in the response
         self.total = 0.0
         self._fed: List[int] = []
+        self._queued = False  # a plain forward runs: reading its token waits
+
+    def _waits(self) -> None:
+        self.total += self.wait
+        self.policy.stats.idle_s += self.wait * self.step
 
     def pending(self) -> List[int]:
+        if self._queued:
+            self._queued = False
+            self._waits()
         return [self.response[self.at]]
 
     def plain(self) -> None:
         self.total += self.cost(0)
         self.rows[0].stepped(self.response[self.at])
         self.at += 1
+        self._queued = True
 
     def verify(self, inputs: List[List[int]]) -> List[List[int]]:
-        self._fed = inputs[0]
+        self._fed, self._queued = inputs[0], False
         self.total += self.cost(len(self._fed) - 1)
+        self._waits()
         self.policy.observe(len(self._fed), self.cost(len(self._fed) - 1) * self.step)
         after = self.response[self.at + 1 : self.at + 1 + len(self._fed)]
         return [after + [-1] * (len(self._fed) - len(after))]
@@ -286,6 +300,7 @@ def replay(
     record: Record,
     cost: CostFn = default_cost,
     step_seconds: float = DEFAULT_STEP_SECONDS,
+    wait: float = 0.0,
 ) -> tuple[float, float]:
     """Replay one request through ``drafter`` as the single-sequence loop
     steps it (:func:`~mlx_lm_suffix.speculation.step`, pipelining
@@ -295,6 +310,9 @@ def replay(
     a verification of the pending token and a draft of ``k`` tokens
     (``cost(k)``). The policy learns each forward as ``step_seconds`` times
     its cost (a plain step's seconds), to weigh against its host time.
+    ``wait``: plain steps the device waits after each forward whose result
+    the host reads (a verification, a check of first tokens), as the loop's
+    ``idle_us_per_wait`` over its plain step (:class:`_Replay`).
 
     Returns ``(verification_cost, host_seconds)``: the summed ``cost`` of
     its forwards, and the wall time of the steps' own work (drafting and
@@ -302,7 +320,7 @@ def replay(
     response = list(record.response)
     req = drafter.start(record.prompt, scope=record.user)
     driver = _Replay(Row(drafter, req, drafter.num_draft_tokens, len(response)), response,
-                     drafter.policy, cost, step_seconds)
+                     drafter.policy, cost, step_seconds, wait)
     settled, tic = False, time.perf_counter()
     while driver.rows[0].emitted < len(response):
         settled = speculation.step(driver, settled)
@@ -319,6 +337,7 @@ def simulate(
     cost: Optional[CostFn] = None,
     warm: bool = False,
     step_seconds: float = DEFAULT_STEP_SECONDS,
+    wait: float = 0.0,
 ) -> List[Dict[str, Any]]:
     """Replay ``records`` in order once per grid point.
 
@@ -334,6 +353,8 @@ def simulate(
         warm: Replay twice: the first pass only fills the global cache with
             every response, the second is measured.
         step_seconds: A plain decode step's seconds (see :func:`replay`).
+        wait: Plain steps the device waits for the host after a forward
+            whose result it reads (see :func:`replay`).
 
     Returns:
         One dict per grid point: every knob, ``records``, ``tokens``,
@@ -352,7 +373,7 @@ def simulate(
         total_cost = 0.0
         seconds = 0.0
         for rec in recs:
-            c, s = replay(drafter, rec, cost, step_seconds)
+            c, s = replay(drafter, rec, cost, step_seconds, wait)
             total_cost += c
             seconds += s
         st = drafter.stats
