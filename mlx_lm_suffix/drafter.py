@@ -77,7 +77,11 @@ class Draft:
         return len(self.tokens)
 
     def truncate(self, n: int) -> "Draft":
-        return replace(self, tokens=self.tokens[:n], probs=self.probs[:n])
+        """The first ``n`` tokens (the draft itself when it has no more;
+        drafts are not changed once proposed)."""
+        if n >= len(self.tokens):
+            return self
+        return replace(self, tokens=self.tokens[:n], probs=self.probs[:n]) if n > 0 else Draft()
 
     def after(self, n: int) -> "Draft":
         """The rest of the draft once its first ``n`` tokens are committed:

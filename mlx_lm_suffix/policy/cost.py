@@ -37,15 +37,19 @@ class VerifyCost:
         self.points = {int(k): float(v) for k, v in points.items()}
         self.smoothing = smoothing
         self._sizes = sorted(self.points)
-        self._envelope()
         # (rows, width bucket) -> [factor, steps seen]
         self.batch_factors: Dict[Tuple[int, int], List[float]] = {}
+        # Batched forwards' costs by (tokens, rows) until the curve changes
+        # (a batch's widths are priced every step, its curve learns rarely).
+        self._batch_costs: Dict[Tuple[int, int], float] = {}
+        self._envelope()
 
     def _envelope(self) -> None:
         """Keep the curve physical: a forward over more tokens never costs
         less, nor more than proportionally more (``n`` one-token forwards
         would do). Timing noise only ever adds time, so each point is lowered
         to the bound its neighbours give."""
+        self._batch_costs.clear()
         pts, sizes = self.points, self._sizes
         for lo, hi in zip(sizes, sizes[1:]):
             pts[hi] = min(pts[hi], pts[lo] * hi / lo)
@@ -54,7 +58,11 @@ class VerifyCost:
 
     def __call__(self, n: int, rows: int = 1) -> float:
         if rows > 1:
-            return self.batch_prior(n, rows) * self._batch_factor(self._shape(n, rows))
+            known = self._batch_costs.get((n, rows))
+            if known is None:
+                known = self.batch_prior(n, rows) * self._batch_factor(self._shape(n, rows))
+                self._batch_costs[(n, rows)] = known
+            return known
         sizes, pts = self._sizes, self.points
         if n <= sizes[0]:
             return pts[sizes[0]]
@@ -114,6 +122,7 @@ class VerifyCost:
             factor = self.batch_factors.setdefault(self._shape(n, rows), [1.0, 0])
             factor[1] += 1
             factor[0] = self._average(factor[0], factor[1], seconds / self.batch_prior(n, rows))
+            self._batch_costs.clear()
             return
         near = min(self._sizes, key=lambda s: abs(s - n))
         if near != n and (near == 1 or not near / 2 <= n <= near * 2):

@@ -354,13 +354,13 @@ def _best_width(
         missed = math.prod(1.0 - p[0] for p in probs if p)  # no first token holds
         probs = [given_first(p) for p in probs]
         sunk_tokens, sunk_cost = B, plain
-    k_max = max((len(p) for p in probs), default=0)
-    # Each row's expected accepted tokens of its first k draft tokens, by k.
-    sums = [list(itertools.accumulate(p)) for p in probs if p]
+    # The rows' expected accepted tokens of their first k draft tokens, by k.
+    accepted = list(itertools.accumulate(
+        sum(column) for column in itertools.zip_longest(*probs, fillvalue=0.0)))
     ref = B / plain * (BATCH_MARGIN if B > 1 else 1.0)
     best_k, best_saved = 0, 0.0
-    for k in range(1, k_max + 1):
-        gain = sunk_tokens + B + sum(c[min(k, len(c)) - 1] for c in sums)
+    for k in range(1, len(accepted) + 1):
+        gain = sunk_tokens + B + accepted[k - 1]
         step = sunk_cost + cost(B * (k + 1), rows=B) + wait
         if replay:
             # Rows without a draft accept all of it; the others' chance.
