@@ -346,7 +346,7 @@ def _drafts(rows: Sequence[Row], driver: Driver, settled: bool, budget: Optional
     n = sum(1 for d in proposed or () if d)
     if n:
         done = time.perf_counter()
-        driver.policy.observe_host((done - tic) / n)
+        driver.policy.observe_host((done - tic) / n, len(rows))
         for row, d in zip(rows, proposed):
             row._host += (done - cutting) / n if d else 0.0
     return proposed, drafts

@@ -322,6 +322,23 @@ def test_the_wait_after_each_read_is_priced():
     assert p.wait_s == 0.5 and p.length(draft, pipelined=True) == 0
 
 
+def test_proposals_are_skipped_to_one_percent_of_the_steps_they_span():
+    """A request whose proposals find nothing skips as many steps as keep
+    their host time within OVERHEAD (1%) of the plain steps between them; in
+    a batch every row proposes in turn, so the rows' proposals are held to
+    1% of the batch's plain steps."""
+    p = Policy(cost=VerifyCost({1: 1e-3, 2: 1.2e-3}))
+    assert p.skips() == 0  # no proposal timed yet
+    p.observe_host(30e-6)
+    assert p.skips() == 3  # 30 us against 1% of 1 ms steps
+    p.observe_host(30e-6, rows=32)
+    # 32 rows x 30 us against 1% of the batch's plain step: a forward of 32
+    # tokens, 1 ms + 31 x 0.2 ms on this curve.
+    assert p.cost(32, rows=32) == pytest.approx(7.2e-3)
+    assert p.skips() == 13
+    assert Policy("fixed").skips() == 0
+
+
 def test_batch_width_accounts_for_longest_row():
     # One confident long row and seven rows with nothing: the whole batch
     # pays for the long row's width, so it is kept short on a linear curve...

@@ -78,8 +78,10 @@ class Policy:
         #: Where the drafts refused for their cost are counted (``refused``).
         self.stats = stats if stats is not None else DraftStats()
         self._refused = 0  # drafts refused for their cost in a row
-        #: Host seconds of a proposal and its cut (a moving average).
+        #: Host seconds of a proposal and its cut (a moving average), and
+        #: the rows stepped together when one was last timed.
         self.propose_s = 0.0
+        self.rows = 1
 
     @property
     def cost_aware(self) -> bool:
@@ -189,22 +191,28 @@ class Policy:
         either.)"""
         return self.stats.idle_s / self.stats.waits if self.stats.waits else 0.0
 
-    def observe_host(self, seconds: float) -> None:
-        """A proposal and its cut took ``seconds`` of host time."""
+    def observe_host(self, seconds: float, rows: int = 1) -> None:
+        """A proposal and its cut took ``seconds`` of host time, in a step
+        of ``rows`` rows."""
         self.propose_s += (seconds - self.propose_s) * (0.1 if self.propose_s else 1.0)
+        self.rows = rows
 
     def skips(self) -> int:
         """The most steps a request whose proposals find nothing skips
         proposing between two proposals (:class:`~mlx_lm_suffix.speculation.
         Row`): as many as make a proposal's host time at most
-        :data:`OVERHEAD` of the plain steps it spans. Proposals hold the
-        device up where the host computes the forward (a CPU) or has not
-        queued it yet, and a request whose text repeats nothing gains
-        nothing from them; a skip misses at most that many steps of a
-        repeat that starts. None without a cost curve (the fixed policy)."""
+        :data:`OVERHEAD` of the plain steps it spans, and in a batch of
+        ``rows`` rows, the rows' proposals at most that share of the
+        batch's plain steps (one batch step takes every row's proposal in
+        turn). Proposals hold the device up where the host computes the
+        forward (a CPU) or has not queued it yet, and a request whose text
+        repeats nothing gains nothing from them; a skip misses at most that
+        many steps of a repeat that starts. None without a cost curve (the
+        fixed policy)."""
         if not self.cost_aware:
             return 0
-        return int(self.propose_s / (OVERHEAD * self.cost(1)))
+        rows = self.rows
+        return int(self.propose_s * rows / (OVERHEAD * self.cost(rows, rows=rows)))
 
     def observe(self, n: int, seconds: float, rows: int = 1) -> None:
         """A forward of ``n`` tokens over ``rows`` rows took ``seconds``."""
