@@ -183,7 +183,7 @@ class _Single:
             # From one plain step's token to the next's, the consumer's time
             # excluded (the generator moves plain_at past it): a plain
             # step's wall time, as a verification's is its forward's.
-            self.policy.observe(1, ready - self.plain_at)
+            self.policy.observe_plain(ready - self.plain_at)
         self.plain_at = ready
         self.fed(tok)
         self.out.append((t, logprobs[0], False))

@@ -549,13 +549,12 @@ def test_a_plain_step_is_timed_as_one_forward(model_and_tokenizer):
             return getattr(model, name)
 
     drafter = SuffixDrafter(policy="fixed", cost=VerifyCost({1: nap}))
-    seen = []
-    observe = drafter.policy.observe
-    drafter.policy.observe = lambda n, s, rows=1: (seen.append((n, s)), observe(n, s, rows))
+    plain = []
+    observe = drafter.policy.observe_plain
+    drafter.policy.observe_plain = lambda s: (plain.append(s), observe(s))
     for prompt in _prompts(tokenizer, 6)[1::2]:
         _, drafted = _suffix(Slow(), prompt, drafter, max_tokens=64)
         assert drafted > 0
-    plain = [s for n, s in seen if n == 1]
     assert len(plain) >= 5 and statistics.median(plain) < 1.6 * nap
 
 

@@ -339,6 +339,18 @@ def test_proposals_are_skipped_to_one_percent_of_the_steps_they_span():
     assert Policy("fixed").skips() == 0
 
 
+def test_plain_steps_are_observed_sixteen_at_a_time():
+    """The loop's pipelined plain steps teach the curve's 1-token point as
+    the mean of every PLAIN_STEPS of them (one observation each)."""
+    p = Policy(cost=VerifyCost({1: 1.0, 2: 1.2}))
+    times = [1.5, 2.5] * (policy.PLAIN_STEPS // 2)
+    for t in times[:-1]:
+        p.observe_plain(t)
+    assert p.cost(1) == 1.0
+    p.observe_plain(times[-1])
+    assert p.cost(1) == pytest.approx(1.0 + p.cost.smoothing * (2.0 - 1.0))
+
+
 def test_batch_width_accounts_for_longest_row():
     # One confident long row and seven rows with nothing: the whole batch
     # pays for the long row's width, so it is kept short on a linear curve...

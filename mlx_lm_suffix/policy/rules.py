@@ -35,6 +35,10 @@ EXPLORE_AFTER = 256
 #: they find nothing (see :meth:`Policy.skips`).
 OVERHEAD = 0.01
 
+#: Plain steps whose mean time is one observation of the curve's 1-token
+#: point (see :meth:`Policy.observe_plain`).
+PLAIN_STEPS = 16
+
 POLICIES = ("adaptive", "fixed")
 
 
@@ -82,6 +86,7 @@ class Policy:
         #: the rows stepped together when one was last timed.
         self.propose_s = 0.0
         self.rows = 1
+        self._plain: List[float] = []  # plain steps' seconds not observed yet
 
     @property
     def cost_aware(self) -> bool:
@@ -218,6 +223,17 @@ class Policy:
         """A forward of ``n`` tokens over ``rows`` rows took ``seconds``."""
         if self.cost is not None:
             self.cost.observe(n, seconds, rows=rows)
+
+    def observe_plain(self, seconds: float) -> None:
+        """A pipelined plain step took ``seconds``: the mean of every
+        :data:`PLAIN_STEPS` of them is one observation of a 1-token forward
+        (an observation takes a few microseconds, as much as the rest of a
+        plain step's own work, and one step's time is the noisiest)."""
+        plain = self._plain
+        plain.append(seconds)
+        if len(plain) == PLAIN_STEPS:
+            self.observe(1, sum(plain) / PLAIN_STEPS)
+            plain.clear()
 
 
 def expected_accepted(probs: Sequence[float], length: int) -> float:
