@@ -375,6 +375,8 @@ def check(rows: Sequence[Row], drafts: List[Draft], sampled: Sequence[int]) -> L
     for row, d, s in zip(rows, drafts, sampled):
         if d and d.tokens[0] != s:
             row.count(drafted=1, steps=0, draft=d)
+            if row.drafter is not None:
+                row.drafter.policy.paid(row.trust, 0, 0)
             d = Draft()
         out.append(d)
     return out
@@ -389,6 +391,8 @@ def accept(row: Row, draft: Draft, first: int, targets: Sequence[int]) -> int:
     a = accepted_length(rest, targets[: len(rest) + 1])
     if draft:
         row.count(drafted=len(draft), accepted=a + first, draft=draft)
+        if row.drafter is not None:
+            row.drafter.policy.paid(row.trust, 1 + len(rest), 1 + a)
     else:
         row.count()
     return a

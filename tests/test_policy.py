@@ -17,6 +17,7 @@ from mlx_lm_suffix.policy import (
     given_first,
 )
 from mlx_lm_suffix.policy import rules as policy
+from mlx_lm_suffix.policy.calibration import RequestTrust
 from mlx_lm_suffix.policy.rules import Policy
 
 
@@ -349,6 +350,32 @@ def test_plain_steps_are_observed_sixteen_at_a_time():
     assert p.cost(1) == 1.0
     p.observe_plain(times[-1])
     assert p.cost(1) == pytest.approx(1.0 + p.cost.smoothing * (2.0 - 1.0))
+
+
+def test_a_request_verifies_what_its_credit_can_lose():
+    """A draft is cut to what the request can lose if it fails at its first
+    token: its forward less the plain step it replaces (and the wait),
+    within the credit (the allowance, then what its drafts saved); where
+    verification is cheap that never binds."""
+    dear = VerifyCost({1: 1.0, 2: 2.0, 32: 32.0})  # a token a plain step
+    p = Policy(cost=dear)
+    assert p.affordable(16, RequestTrust.ALLOWANCE, pipelined=False) == 4  # cost(5) - 1 = 4
+    assert p.affordable(16, RequestTrust.ALLOWANCE, pipelined=True) == 5  # the first is checked
+    trust = RequestTrust()
+    p.paid(trust, 9, 9)  # a verification of 9 that emitted 9: nothing saved
+    p.paid(trust, 0, 0)  # a check whose first token failed: no wait measured yet
+    assert trust.credit == RequestTrust.ALLOWANCE
+    p.paid(trust, 2, 0)  # a 2-token forward that emitted nothing it would not have
+    assert trust.credit == RequestTrust.ALLOWANCE - 2
+    p.stats.waits, p.stats.idle_s = 1, 0.5  # half a step after each read
+    assert p.affordable(16, trust.credit, pipelined=False) == 1
+    # The cut takes the draft's request's credit.
+    mid = Policy(cost=MID)
+    sure = Draft(tokens=list(range(16)), probs=[1.0] * 16, match_len=64, trust=RequestTrust())
+    assert mid.length(sure, pipelined=False) == 16
+    sure.trust.credit = 0.5
+    assert mid.length(sure, pipelined=False) == 2  # cost(3) - 1 = 0.4
+    assert Policy(cost=FLAT).affordable(64, RequestTrust.ALLOWANCE, pipelined=False) == 64
 
 
 def test_batch_width_accounts_for_longest_row():

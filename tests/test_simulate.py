@@ -6,6 +6,8 @@ import pytest
 from click.testing import CliRunner
 
 from mlx_lm_suffix.drafter import DEFAULT_MAX_TREE_DEPTH, SuffixDrafter
+from mlx_lm_suffix.policy import VerifyCost
+from mlx_lm_suffix.policy.calibration import RequestTrust
 from mlx_lm_suffix.tools.cli import main
 from mlx_lm_suffix.tools.simulate import (
     DEFAULT_STEP_SECONDS,
@@ -176,6 +178,25 @@ def test_replay_waits_after_each_read():
     (cheap,) = simulate(wrong, adaptive)
     (dear,) = simulate(wrong, adaptive, wait=2.0)
     assert cheap["drafted"] > 0 and dear["drafted"] < cheap["drafted"]
+
+
+def test_a_request_risks_no_more_than_its_credit():
+    """Where a draft token costs nearly a plain step (4-bit on a CPU), a
+    long repeat whose estimates look sure but whose answer leaves it half
+    way is verified in drafts the request's credit can lose (the
+    allowance, then what drafts saved): it costs at most the allowance
+    beyond stock's plain steps. (Without the credit: one 39-token
+    verification, 19 accepted, 95.7 plain steps for 80 tokens.)"""
+    dear = {1: 1.0, 2: 1.98, 5: 4.57, 11: 10.02, 30: 26.76}
+    text = list(range(100, 140))
+    record = Record(text * 3, text[:20] + list(range(500, 560)))
+    step = DEFAULT_STEP_SECONDS
+    drafter = SuffixDrafter(cost=VerifyCost({n: t * step for n, t in dear.items()}))
+    total, _ = replay(drafter, record, cost_from_times(dear), step)
+    snap = drafter.snapshot()
+    assert snap["accepted"] >= 10  # the repeat was drafted
+    assert max(map(int, snap["lengths"])) <= 5  # 4 plain steps' loss: cost(6) - 1 on this curve
+    assert total <= len(record.response) + RequestTrust.ALLOWANCE
 
 
 def test_recommend_and_server_command():

@@ -242,16 +242,37 @@ class RequestTrust:
     have saved; trusting it too much loses the whole forward, and where a
     forward costs nearly a plain step a token (a quantized model on a CPU),
     one short draft that held would otherwise make a long flat one look
-    certain, whose failure costs tens of plain steps."""
+    certain, whose failure costs tens of plain steps.
+
+    It also keeps the request's **credit** (``credit``, in plain steps): what
+    its verifications and checks have saved against plain steps so far
+    (:meth:`paid`), from :data:`ALLOWANCE`. The policy verifies no draft
+    whose failure at its first token would cost more than the credit
+    (:meth:`~mlx_lm_suffix.policy.rules.Policy.length`): estimates are
+    expectations, and a request can meet its unlikely case, so a request
+    risks what its drafts have saved it, and the allowance, not more. It
+    starts short where verification is dear (about 4 tokens where a token
+    costs nearly a plain step, a quantized model on a CPU), grows as drafts
+    pay, and does not bind where verification is cheap (a GPU's 64-token
+    forward costs under 2 plain steps)."""
 
     #: Expected tokens the pooled ratio is worth against the request's own.
     PRIOR = 1.0
     #: Halve a cell's counts past this many expected tokens.
     HORIZON = 32.0
+    #: Plain steps' time a request may lose to drafts before they saved any:
+    #: a few percent of a short answer's steps.
+    ALLOWANCE = 4.0
 
     def __init__(self) -> None:
         # (part, source) -> [accepted, expected]
         self.counts: Dict[Tuple[str, str], List[float]] = {}
+        self.credit = self.ALLOWANCE
+
+    def paid(self, saved: float) -> None:
+        """A verification or a check saved ``saved`` plain steps' time
+        (negative: it lost)."""
+        self.credit += saved
 
     def ratio(self, part: str, source: str, pooled: float) -> float:
         """The ratio of ``part`` estimates from ``source`` for this request,

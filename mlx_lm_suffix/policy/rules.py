@@ -126,7 +126,34 @@ class Policy:
             chosen = best_length(self.probs(draft), self.cost, pipelined, replay, budget,
                                  self.wait_s)
             n = chosen if budget is not None else self._explore(chosen, n)
+            trust = getattr(draft, "trust", None)
+            if trust is not None:
+                n = self.affordable(n, trust.credit, pipelined, replay)
         return 0 if pipelined and n < 2 else n
+
+    def affordable(self, n: int, credit: float, pipelined: bool, replay: bool = False) -> int:
+        """The most of ``n`` draft tokens whose verification, rejected at
+        its first token, loses at most ``credit`` plain steps' time (see
+        :class:`~mlx_lm_suffix.policy.calibration.RequestTrust`): it emits
+        one token, as a plain step, for its forward (pipelined, over the
+        draft: its first token is confirmed before; settled, over the
+        pending token and the draft), the wait after it, and with
+        ``replay`` the forward that feeds that token again."""
+        c1 = self.cost(1)
+        lost = self.wait_s + (c1 if replay else 0.0)
+        while n and self.cost(n + (not pipelined)) - c1 + lost > credit * c1:
+            n -= 1
+        return n
+
+    def paid(self, trust: Any, width: int, emitted: int) -> None:
+        """A forward of ``width`` tokens that emitted ``emitted`` (``0,
+        0``: a plain forward's token that failed a draft's check) went into
+        ``trust``'s credit, as what it saved against plain steps."""
+        if trust is None or not self.cost_aware:
+            return
+        c1 = self.cost(1)
+        spent = self.cost(width) if width else 0.0
+        trust.paid(emitted - (spent + self.wait_s) / c1)
 
     def _explore(self, chosen: int, proposed: int) -> int:
         """``chosen`` (the rule's length), or after EXPLORE_AFTER refusals in
