@@ -378,6 +378,19 @@ def test_a_request_verifies_what_its_credit_can_lose():
     assert Policy(cost=FLAT).affordable(64, RequestTrust.ALLOWANCE, pipelined=False) == 64
 
 
+def test_a_verification_must_beat_plain_steps_by_the_margin():
+    """One sequence verifies only what commits tokens MARGIN times as fast
+    as plain steps: a sure draft that gains 3% (a token of verification
+    costing nearly a plain step) is not verified; where drafts gain more,
+    nothing changes."""
+    nearly = VerifyCost({1: 1.0, 9: 8.7})  # 9 tokens for 8.7 steps: 1.034x
+    assert policy.MARGIN == 1.05
+    assert best_length([1.0] * 8, nearly) == 0
+    assert best_length([1.0] * 8, nearly, pipelined=True) == 0
+    assert best_length([1.0] * 8, VerifyCost({1: 1.0, 9: 8.4})) == 8  # 1.07x
+    assert best_length([1.0] * 32, FLAT) == 32
+
+
 def test_batch_width_accounts_for_longest_row():
     # One confident long row and seven rows with nothing: the whole batch
     # pays for the long row's width, so it is kept short on a linear curve...

@@ -270,6 +270,16 @@ def test_cli_simulate(tmp_path):
     assert {r["policy"] for r in data["results"]} == {"adaptive", "fixed"}
     assert data["recommended"] == recommend(data["results"])
     assert data["command"] in result.output
+    # The host's wait after each read: the fixed policy's forwards cost more.
+    waits = tmp_path / "waits.json"
+    args = ["simulate", str(log), "--num-draft-tokens", "8", "--max-tree-depth", "64",
+            "--max-spec-factor", "1", "--min-token-prob", "0.1", "--policy", "fixed", "--json"]
+    assert CliRunner().invoke(main, [*args, str(out)]).exit_code == 0
+    result = CliRunner().invoke(main, [*args, str(waits), "--wait-ms", "5"])
+    assert result.exit_code == 0, result.output
+    (plain,), (waited,) = (json.loads(p.read_text())["results"] for p in (out, waits))
+    assert waited["drafted"] == plain["drafted"] > 0
+    assert waited["est_speedup"] < plain["est_speedup"]
 
 
 def test_cli_simulate_bad_log(tmp_path):

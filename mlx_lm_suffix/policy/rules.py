@@ -26,6 +26,10 @@ from .cost import VerifyCost
 #: commit tokens (see :func:`best_batch_lengths`).
 BATCH_MARGIN = 1.2
 
+#: How much faster than plain steps one sequence's verification must expect
+#: to commit tokens (see :func:`best_length`).
+MARGIN = 1.05
+
 
 #: After this many drafts refused for their cost in a row, one is verified
 #: at 2 tokens anyway (see :class:`Policy`).
@@ -296,6 +300,16 @@ def best_length(
     beyond a plain step are not considered (pipelined, the whole verifying
     forward comes after the plain one).
 
+    A verification must expect to commit tokens :data:`MARGIN` times as
+    fast as plain steps: the curve prices the forwards it timed, and a
+    verification costs more than that in ways it does not see (timing noise,
+    which the curve trims from above only; rollback and the tokens' hand-out;
+    on a GPU the plain step after it, which overlaps nothing). Where a draft
+    token costs nearly a plain step (a quantized model on a CPU) no draft
+    gains more than a few percent, and those that the curve priced at break
+    even lost: there nothing is verified. Where drafts gain more (a GPU, a
+    float32 model's copies) the margin changes nothing.
+
     ``wait``: the seconds the device waits for the host after a forward
     whose result the host reads (:attr:`Policy.wait_s`), which plain steps
     do not cost (each is queued while the one before runs): a verification
@@ -312,7 +326,7 @@ def best_length(
         saved = (1.0 + sum(tail_probs[:tail])) * cost(1) - _verify_s(tail_probs, tail, cost,
                                                                      replay, wait)
         return tail + 1 if probs[0] * saved >= (1.0 - probs[0]) * wait else 0
-    best, best_rate = 0, 1.0 / cost(1)
+    best, best_rate = 0, MARGIN / cost(1)
     gain = 1.0
     for i, p in enumerate(probs):
         gain += p
