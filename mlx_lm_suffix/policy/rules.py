@@ -27,7 +27,14 @@ from .cost import VerifyCost
 BATCH_MARGIN = 1.2
 
 #: How much faster than plain steps one sequence's verification must expect
-#: to commit tokens (see :func:`best_length`).
+#: to commit tokens (:func:`best_length`). The curve prices the forwards it
+#: timed, and a verification costs more in ways it does not see (timing
+#: noise, which the curve trims from above only; rollback and the tokens'
+#: hand-out; on a GPU the plain step after it, which overlaps nothing). Where
+#: a draft token costs nearly a plain step (a quantized model on a CPU) no
+#: draft gains more than a few percent, and those the curve priced at break
+#: even lost: there nothing is verified. Where drafts gain more (a GPU, a
+#: float32 model's copies) the margin changes nothing.
 MARGIN = 1.05
 
 
@@ -301,14 +308,7 @@ def best_length(
     forward comes after the plain one).
 
     A verification must expect to commit tokens :data:`MARGIN` times as
-    fast as plain steps: the curve prices the forwards it timed, and a
-    verification costs more than that in ways it does not see (timing noise,
-    which the curve trims from above only; rollback and the tokens' hand-out;
-    on a GPU the plain step after it, which overlaps nothing). Where a draft
-    token costs nearly a plain step (a quantized model on a CPU) no draft
-    gains more than a few percent, and those that the curve priced at break
-    even lost: there nothing is verified. Where drafts gain more (a GPU, a
-    float32 model's copies) the margin changes nothing.
+    fast as plain steps.
 
     ``wait``: the seconds the device waits for the host after a forward
     whose result the host reads (:attr:`Policy.wait_s`), which plain steps
