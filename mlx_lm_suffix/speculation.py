@@ -261,6 +261,13 @@ class Row:
         self.drafter.record(drafted, accepted, steps, draft, self._host)
         self._host = 0.0
 
+    def paid(self, width: int, emitted: int) -> None:
+        """A forward of ``width`` tokens emitted ``emitted`` (``0, 0``: a
+        check whose first token failed): the request's credit
+        (:meth:`~mlx_lm_suffix.policy.rules.Policy.paid`)."""
+        if self.req is not None:
+            self.drafter.policy.paid(self.trust, width, emitted)
+
     def replayed(self, tokens: int) -> None:
         """Count a replay: the cache went back and was fed ``tokens`` again."""
         if self.req is None:
@@ -375,8 +382,7 @@ def check(rows: Sequence[Row], drafts: List[Draft], sampled: Sequence[int]) -> L
     for row, d, s in zip(rows, drafts, sampled):
         if d and d.tokens[0] != s:
             row.count(drafted=1, steps=0, draft=d)
-            if row.drafter is not None:
-                row.drafter.policy.paid(row.trust, 0, 0)
+            row.paid(0, 0)
             d = Draft()
         out.append(d)
     return out
@@ -391,8 +397,7 @@ def accept(row: Row, draft: Draft, first: int, targets: Sequence[int]) -> int:
     a = accepted_length(rest, targets[: len(rest) + 1])
     if draft:
         row.count(drafted=len(draft), accepted=a + first, draft=draft)
-        if row.drafter is not None:
-            row.drafter.policy.paid(row.trust, 1 + len(rest), 1 + a)
+        row.paid(1 + len(rest), 1 + a)
     else:
         row.count()
     return a

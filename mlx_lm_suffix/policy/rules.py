@@ -323,14 +323,14 @@ def best_length(
         tail = best_length(tail_probs, cost, replay=replay, budget=rest, wait=wait)
         if not tail:
             return 0
-        saved = (1.0 + sum(tail_probs[:tail])) * cost(1) - _verify_s(tail_probs, tail, cost,
-                                                                     replay, wait)
+        gain = 1.0 + sum(tail_probs[:tail])
+        saved = gain * cost(1) - _verify_s(tail, tail_probs[tail - 1], gain, cost, replay, wait)
         return tail + 1 if probs[0] * saved >= (1.0 - probs[0]) * wait else 0
     best, best_rate = 0, MARGIN / cost(1)
     gain = 1.0
     for i, p in enumerate(probs):
         gain += p
-        step = _verify_s(probs, i + 1, cost, replay, wait)
+        step = _verify_s(i + 1, p, gain, cost, replay, wait)
         if budget is not None and step - cost(1) > budget:
             continue
         rate = gain / step
@@ -339,13 +339,14 @@ def best_length(
     return best
 
 
-def _verify_s(probs: Sequence[float], n: int, cost: VerifyCost, replay: bool, wait: float
+def _verify_s(n: int, full: float, gain: float, cost: VerifyCost, replay: bool, wait: float
               ) -> float:
     """Expected seconds of verifying the first ``n`` tokens of a draft
-    after a known token (see :func:`best_length`)."""
+    after a known token (see :func:`best_length`): ``full`` the chance all
+    ``n`` hold, ``gain`` the tokens it is expected to commit."""
     step = cost(n + 1) + wait
     if replay:
-        step += (1.0 - probs[n - 1]) * cost(max(1, round(1.0 + sum(probs[:n]))))
+        step += (1.0 - full) * cost(max(1, round(gain)))
     return step
 
 
