@@ -2,7 +2,11 @@
 tiny model (short settings)."""
 
 import json
+import re
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -159,7 +163,11 @@ def test_bench_command(tmp_path, tiny_model_path):
             cost = wl["arms"][arm]["verify_cost"]
             assert cost["1"] == 1.0 and len(cost) > 1  # a plain step, and wider ones learnt
             assert wl["arms"][arm]["replay_share"] == 0.0
+            (rep,) = wl["arms"][arm]["costs_per_rep"]  # what a replay of it needs
+            assert set(rep) == set(bench.REP_COSTS) and rep["verify_cost"] == cost
+            assert rep["calibrated_cost"]["1"] == 1.0 and rep["calibrated_step_s"] > 0
         assert wl["arms"]["oracle"]["verify_cost"] is None  # fixed lengths learn no curve
+        assert all(len(m["decode_tokens_per_s_per_rep"]) == 1 for m in wl["arms"].values())
         assert wl["arms"]["stock"]["speedup_vs_stock"] == 1.0
         assert wl["arms"]["oracle"]["acceptance_rate"] >= 0.99
         # Per-request ratios to stock's same request, for every other arm.
@@ -177,6 +185,14 @@ def test_bench_command(tmp_path, tiny_model_path):
     assert "mode: scripted" in result.output
     assert "workloads: builtin" in result.output and "per request decode" in result.output
     assert "code-edit suffix-cold: verify cost 1:1.00 " in result.output
+    # The replay of this run, set beside it (benchmarks/simulate_vs_bench.py).
+    script = Path(__file__).parents[1] / "benchmarks" / "simulate_vs_bench.py"
+    replayed = subprocess.run([sys.executable, str(script), str(out)], capture_output=True,
+                              text=True, check=True).stdout
+    for name in ("code-edit", "agentic"):
+        sim = re.search(rf"{name} +median: ([\d.]+)x / ([\d.]+)x", replayed)
+        measured = report["workloads"][name]["arms"]["suffix-cold"]["decode_speedup_vs_stock"]
+        assert sim and float(sim[1]) == pytest.approx(measured, abs=0.006) and float(sim[2]) > 0
 
 
 def test_per_request_ratios_pair_requests_and_spread():

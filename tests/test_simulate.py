@@ -310,3 +310,27 @@ def test_replay_learns_the_cost_curve_as_the_loop_does():
     replay(d, Record(list(range(10, 20)), RESPONSE), cost, step)  # RESPONSE drafted in full
     widths = set(d.policy.cost.points) - {1, 2}
     assert widths and all(3 <= n <= 9 for n in widths)
+
+
+def test_replay_learns_plain_steps_as_the_loop_does():
+    """As the loop times each plain step that follows another, the replay's
+    policy learns its 1-token point from them: a plain step dearer than
+    the calibration (a long context) moves the point to it; a verification
+    or a read in between starts the run again."""
+    from mlx_lm_suffix.policy.rules import PLAIN_STEPS
+
+    step = 0.002
+    curve = cost_from_times({1: 1.0, 2: 1.5})
+
+    def dear(k: int) -> float:  # a plain step at this context: 1.4 calibrated ones
+        return 1.4 if k == 0 else curve(k)
+
+    plain = Record([1, 2], list(range(500, 500 + PLAIN_STEPS + 2)))  # nothing to draft
+    d = SuffixDrafter(policy="adaptive", cost=VerifyCost({1: step, 2: 1.5 * step}))
+    replay(d, plain, dear, step)
+    assert d.stats.drafted == 0 and d.policy.cost.points[1] > step
+    assert d.policy.cost.points[1] <= 1.4 * step
+    short = Record([1, 2], list(range(700, 700 + PLAIN_STEPS)))  # one fewer than a mean
+    d = SuffixDrafter(policy="adaptive", cost=VerifyCost({1: step, 2: 1.5 * step}))
+    replay(d, short, dear, step)
+    assert d.policy.cost.points[1] == step

@@ -30,7 +30,11 @@ installed by :func:`serve_main` from ``$MLX_LM_SUFFIX_SCRIPT`` (a JSONL of
 Each suffix arm also reports the verification cost curve its drafter
 learnt (``verify_cost``: a forward over ``n`` tokens relative to a plain
 step, whose seconds are ``plain_step_s``; ``None`` with fixed lengths, which
-learn none) and its replays (a
+learn none), the curve it started from (``calibrated_cost``, of a plain step
+of ``calibrated_step_s``), the host's wait after each read of a forward
+(``idle_s_per_wait``), these for the first repetition and all of them in
+``costs_per_rep`` (with ``decode_speedup_per_rep``; every arm keeps its
+``decode_tokens_per_s_per_rep``), and its replays (a
 rejection on a model with recurrent state restores the state and feeds the
 kept tokens again): ``replays``, ``replayed_tokens`` and ``replay_share``,
 the share of the arm's time those forwards took, estimated from the curve
@@ -97,6 +101,10 @@ INPROCESS_ARMS = (
     "suffix-warm-fixed",
 )
 DEFAULT_ARMS = ("stock", "suffix-cold", "suffix-warm", "oracle")
+#: A drafter arm's cost figures kept for every repetition (``costs_per_rep``),
+#: each repetition's drafter being fresh: what a replay needs to run as it ran.
+REP_COSTS = ("calibrated_cost", "calibrated_step_s", "verify_cost", "plain_step_s",
+             "idle_s_per_wait")
 SERVER_ARMS = ("server-stock", "server-stock-warm", "server-suffix-cold", "server-suffix-warm")
 SERVER_FIXED_ARMS = ("server-suffix-cold-fixed", "server-suffix-warm-fixed")
 USAGE_DRAFTED = "draft_tokens"
@@ -511,10 +519,13 @@ def run_inprocess_arms(
     ``matched_reference``: in scripted mode, whether the output followed the
     reference; otherwise (real output), whether it equals stock's tokens."""
     drafters = {a: arm_drafter(a, drafter_kwargs) for a in arms}
+    calibrated = {}
     for a, drafter in drafters.items():
         if drafter is None:
             continue
         drafter.policy.ensure_cost(model)  # the cost calibration stays out of the timings
+        cost = drafter.policy.cost
+        calibrated[a] = (cost.relative(), cost(1)) if cost is not None else (None, None)
         if a.startswith("suffix-warm"):  # replay once, untimed
             for req in requests:
                 generate_one(model, tokenizer, req, max_tokens, drafter, scripted, eos_id)
@@ -542,6 +553,7 @@ def run_inprocess_arms(
             out[a]["verify_cost"] = cost.relative() if cost is not None else None
             out[a]["plain_step_s"] = cost(1) if cost is not None else None
             out[a]["idle_s_per_wait"] = drafter.policy.wait_s
+            out[a]["calibrated_cost"], out[a]["calibrated_step_s"] = calibrated[a]
     return out
 
 
@@ -965,6 +977,11 @@ def run_bench(
                 and rep[a]["decode_tokens_per_s"] and rep[base]["decode_tokens_per_s"]
             ]
             merged["decode_speedup_vs_stock"] = statistics.median(decode) if decode else None
+            merged["decode_speedup_per_rep"] = decode
+            merged["decode_tokens_per_s_per_rep"] = [rep[a].get("decode_tokens_per_s") for rep in per_rep
+                                                     if a in rep]
+            if "verify_cost" in per_rep[0][a]:
+                merged["costs_per_rep"] = [{k: rep[a][k] for k in REP_COSTS} for rep in per_rep]
             merged["per_request"] = request_spreads(per_rep, a, base) if a != base else None
             wl["arms"][a] = merged
         report["workloads"][name] = wl

@@ -249,7 +249,9 @@ class _Replay:
     it as ``step`` times that many seconds. Each time the host reads a
     forward's result before it queues the next (a verification, a check of
     first tokens) the device waits ``wait`` more (in plain steps, in
-    ``total``; as seconds in the policy's idle time, which it prices)."""
+    ``total``; as seconds in the policy's idle time, which it prices). As
+    the loop, the policy learns a plain step from each that follows another
+    (:meth:`~mlx_lm_suffix.policy.Policy.observe_plain`)."""
 
     def __init__(self, row: Row, response: List[int], policy: Any, cost: CostFn, step: float,
                  wait: float = 0.0):
@@ -259,12 +261,14 @@ class _Replay:
         self.total = 0.0
         self._fed: List[int] = []
         self._queued = False  # a plain forward runs: reading its token waits
+        self._plain_run = False  # the last step was plain, its token not read
 
     def _waits(self) -> None:
         self.total += self.wait
         self.policy.stats.idle_s += self.wait * self.step
 
     def pending(self) -> List[int]:
+        self._plain_run = False
         if self._queued:
             self._queued = False
             self._waits()
@@ -272,12 +276,15 @@ class _Replay:
 
     def plain(self) -> None:
         self.total += self.cost(0)
+        if self._plain_run:
+            self.policy.observe_plain(self.cost(0) * self.step)
+        self._plain_run = True
         self.rows[0].stepped(self.response[self.at])
         self.at += 1
         self._queued = True
 
     def verify(self, inputs: List[List[int]]) -> List[List[int]]:
-        self._fed, self._queued = inputs[0], False
+        self._fed, self._queued, self._plain_run = inputs[0], False, False
         self.total += self.cost(len(self._fed) - 1)
         self._waits()
         self.policy.observe(len(self._fed), self.cost(len(self._fed) - 1) * self.step)
