@@ -31,6 +31,7 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+from typing import Any, Dict, Sequence, Tuple
 
 import mlx_lm
 
@@ -41,7 +42,14 @@ from mlx_lm_suffix.tools import bench, simulate
 from mlx_lm_suffix.tools.workloads import read_workload
 
 
-def estimate(requests, drafter_kwargs, rep, stock_step, max_tokens, wait=True):
+def estimate(
+    requests: Sequence[bench.Request],
+    drafter_kwargs: Dict[str, Any],
+    rep: Dict[str, Any],
+    stock_step: float,
+    max_tokens: int,
+    wait: bool = True,
+) -> Tuple[float, float, SuffixDrafter]:
     """One repetition's replayed decode speedup, the replay's host time a
     token (us) and its drafter (whose stats count the replayed steps)."""
     curve = simulate.cost_from_times({int(n): v for n, v in rep["verify_cost"].items()})
