@@ -18,6 +18,11 @@ Environment:
   running. Pick a token that no prompt contains: then only verification
   forwards (a draft, or a pending token followed by a draft) can raise.
 - ``FAULT_MAX``: how many times to raise (default 1); later forwards run.
+- ``STALL_WIDTH``: a forward over at least this many tokens per row (a long
+  prompt's prefill) never ends: it prints ``fault_server: stalled`` and
+  blocks its thread for good.
+- ``SHUTDOWN_GRACE_S``: mlx-lm-suffix's grace after SIGTERM
+  (:data:`mlx_lm_suffix.patches.serving.SHUTDOWN_GRACE_S`).
 
 The product code has no hook for this: the launcher swaps the class of
 each model the server loads for a subclass whose ``__call__`` checks.
@@ -25,14 +30,19 @@ each model the server loads for a subclass whose ``__call__`` checks.
 
 import os
 import sys
+import threading
 
 import mlx.core as mx
 import mlx_lm.server as server
 
+from mlx_lm_suffix.patches import serving
 from mlx_lm_suffix.tools.bench import serve_main
 
 FAULT_TOKEN = int(os.environ.get("FAULT_TOKEN", "-1"))
 FAULT_MAX = int(os.environ.get("FAULT_MAX", "1"))
+STALL_WIDTH = int(os.environ.get("STALL_WIDTH", "0"))
+if "SHUTDOWN_GRACE_S" in os.environ:
+    serving.SHUTDOWN_GRACE_S = float(os.environ["SHUTDOWN_GRACE_S"])
 _faults = [0]
 _widest = [0]
 # The modules whose forwards verify drafts (or replay them).
@@ -75,6 +85,10 @@ def _make_faulty(model) -> None:
     def __call__(self, inputs, *args, **kwargs):
         cache = kwargs.get("cache", args[0] if args else None)
         _note_width(inputs)
+        if STALL_WIDTH and inputs.ndim == 2 and inputs.shape[1] >= STALL_WIDTH:
+            sys.stderr.write("fault_server: stalled\n")
+            sys.stderr.flush()
+            threading.Event().wait()
         if _should_fail(inputs, cache):
             _faults[0] += 1
             print(f"fault_server: injected fault {_faults[0]} "

@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -513,6 +514,41 @@ def test_sigterm_under_load_keeps_cache_file_valid(short_model, logs, tmp_path, 
     saved = read_cache_file(cache_file, model_id)  # valid, for this model
     assert len(saved) >= 1
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_sigterm_exits_within_its_grace_when_a_step_does_not_end(tiny_model_path, logs, tmp_path):
+    """SIGTERM while the generation thread is inside a forward that does not
+    end (as a long prompt's prefill on a CPU, minutes): the cache file is
+    saved and the process exits with status 0 once SHUTDOWN_GRACE_S has
+    passed, not when the step ends (the orderly shutdown joins that thread)."""
+    cache_file = tmp_path / "cache.json"
+    server = Server(tiny_model_path, "--draft", "suffix", "--suffix-cache-file", cache_file,
+                    log_dir=logs, name="sigterm-stall", launcher=[sys.executable, str(FAULT_SERVER)],
+                    env={"STALL_WIDTH": "300", "SHUTDOWN_GRACE_S": "1"})
+    try:
+        greedy(server)  # a short prompt: something to save
+        errors = []
+
+        def stalls():
+            try:
+                _post_result(server, _source_text(40, n=3000))  # ~1,000 tokens
+            except Exception as e:  # noqa: BLE001 (cut when the server exits)
+                errors.append(e)
+
+        client = threading.Thread(target=stalls, daemon=True)
+        client.start()
+        deadline = time.monotonic() + 60
+        while "fault_server: stalled" not in server.log():
+            assert time.monotonic() < deadline and client.is_alive(), server.log()
+            time.sleep(0.05)
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0, server.log()
+        client.join(30)
+        assert not client.is_alive() and errors
+        assert "did not stop within 1 s of SIGTERM" in server.log()
+    finally:
+        server.stop()
+    assert len(read_cache_file(cache_file, _model_id(tiny_model_path))) == 1
 
 
 # --------------------------------------------------------------- soak

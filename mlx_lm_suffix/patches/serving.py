@@ -279,10 +279,21 @@ def _model_name(model_path: str) -> str:
     return path.resolve().name if path.exists() else str(model_path)
 
 
+#: Seconds a SIGTERM waits for the orderly shutdown (the generation thread
+#: ends its step) before the process exits without it: a step is a
+#: forward, milliseconds to a second or so on a Mac's GPU, but a prompt's
+#: prefill runs all its chunks in one step (minutes for a long prompt on a
+#: CPU), and supervisors kill what outlasts their grace (``docker stop``:
+#: 10 s), losing the save. The cache file is saved before the wait.
+SHUTDOWN_GRACE_S = 5.0
+
+
 @contextlib.contextmanager
 def _sigterm_as_ctrl_c(before: Callable[[], None]) -> Iterator[None]:
     """In the main thread, SIGTERM calls ``before`` and then stops the
-    server as Ctrl-C does (KeyboardInterrupt); a second one only ``before``."""
+    server as Ctrl-C does (KeyboardInterrupt), exiting the process with
+    status 0 if that has not ended within :data:`SHUTDOWN_GRACE_S`; a second
+    one only calls ``before``."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -292,6 +303,9 @@ def _sigterm_as_ctrl_c(before: Callable[[], None]) -> Iterator[None]:
         before()
         if not interrupted:
             interrupted.append(signum)
+            watchdog = threading.Timer(SHUTDOWN_GRACE_S, _exit_unfinished)
+            watchdog.daemon = True
+            watchdog.start()
             raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
@@ -305,6 +319,24 @@ _state_lock = threading.Lock()
 _shutdown_done = False
 
 
+def _exit_unfinished() -> None:
+    """The orderly shutdown outlasted its grace: exit (the cache file was
+    saved when SIGTERM came; requests in flight end cut, as they would)."""
+    logger.warning("mlx-lm-suffix: the generation thread did not stop within %.0f s of "
+                   "SIGTERM; exiting without waiting for it", SHUTDOWN_GRACE_S)
+    _exit_now()
+
+
+def _exit_now() -> None:
+    import sys
+
+    logging.shutdown()
+    for f in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            f.flush()
+    os._exit(0)
+
+
 def exit_after_shutdown() -> None:
     """End the process with status 0 once a suffix server has shut down in
     order (HTTP server stopped, generation thread joined, cache saved).
@@ -313,15 +345,8 @@ def exit_after_shutdown() -> None:
     threads ("terminate called without an active exception", SIGABRT; seen
     with the stock server on Ctrl-C too); there is nothing left to clean up.
     """
-    if not _shutdown_done:
-        return
-    import sys
-
-    logging.shutdown()
-    for f in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            f.flush()
-    os._exit(0)
+    if _shutdown_done:
+        _exit_now()
 
 
 def state_for(cli_args: Any) -> Optional[SuffixServing]:
