@@ -164,6 +164,8 @@ BAD_INPUTS = {
     "prompt null": (_json({"prompt": None, "max_tokens": 4}, "/v1/completions"), "dies"),
     "prompt token list": (_json({"prompt": [1, 2], "max_tokens": 4}, "/v1/completions"), "dies"),
     "stop not strings": (_json({"messages": MSGS, "max_tokens": 4, "stop": 5}), "dies"),
+    "seed negative": (_json({"messages": MSGS, "max_tokens": 4, "seed": -1}), "drop"),
+    "seed past uint64": (_json({"messages": MSGS, "max_tokens": 4, "seed": 2**64}), "drop"),
     "stream_options not an object": (
         _json({"messages": MSGS, "max_tokens": 4, "stream": True, "stream_options": "x"}),
         "500 mid-stream",

@@ -508,6 +508,10 @@ def request_info(handler: Any) -> Optional[RequestInfo]:
         return None
     if ranks.group() is not None and handler.seed is not None:
         raise ValueError(f"seed is not supported with --draft suffix: {SINGLE_PATH_DISTRIBUTED}")
+    if handler.seed is not None and not 0 <= handler.seed < 2**64:
+        # mx.random.seed takes a uint64 (stock: a TypeError in the generation
+        # thread, the connection dropped).
+        raise ValueError(f"seed must be an integer from 0 to {2**64 - 1}, got {handler.seed}")
     if handler.max_tokens < 1:
         # mlx-lm 0.32.0 validates max_tokens >= 0, and 0 then fails in the
         # batch (HTTP 500); 0.32.1 asks for at least 1 itself, in these words.
