@@ -83,14 +83,16 @@ class Draft:
             return self
         return replace(self, tokens=self.tokens[:n], probs=self.probs[:n]) if n > 0 else Draft()
 
-    def after(self, n: int) -> "Draft":
-        """The rest of the draft once its first ``n`` tokens are committed:
-        its estimates given them, from a match ``n`` tokens longer."""
+    def after(self, n: int, limit: Optional[int] = None) -> "Draft":
+        """The rest of the draft once its first ``n`` tokens are committed
+        (at most ``limit`` of it): its estimates given them, from a match
+        ``n`` tokens longer."""
         q = self.probs[n - 1] if n else 1.0
+        end = None if limit is None else n + limit
         return replace(
             self,
-            tokens=self.tokens[n:],
-            probs=[min(1.0, p / q) if q > 0 else 0.0 for p in self.probs[n:]],
+            tokens=self.tokens[n:end],
+            probs=[min(1.0, p / q) if q > 0 else 0.0 for p in self.probs[n:end]],
             match_len=self.match_len + n,
             tree_len=max(0, self.tree_len - n),
             tree_match=self.tree_match + n,

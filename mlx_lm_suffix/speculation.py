@@ -116,10 +116,8 @@ class Row:
         k = self.cap(room, settled)
         if self.req is None or k < shortest(settled):
             return Draft()
-        if self._following():
-            rest = self._draft.after(self._held)
-            if len(rest) >= max(shortest(settled), k // 2):
-                return rest.truncate(k)
+        if self._following() and len(self._draft) - self._held >= max(shortest(settled), k // 2):
+            return self._draft.after(self._held, k)
         if self._skip:
             self._skip -= 1
             return Draft()
