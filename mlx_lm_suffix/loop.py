@@ -37,6 +37,14 @@ from .stats import RequestUsage
 
 Pending = Tuple[mx.array, mx.array]  # (token of shape [1], logprobs of shape [1, V])
 
+#: Seconds :func:`quantized_width` may take: it tests widths in turn and
+#: keeps the widest that matched when the time is up (a narrower width is
+#: never unsafe, only slower). A forward over a quantized cache costs about
+#: a plain step whatever its width on a GPU, where 64 widths take about a
+#: second for a small model; on a CPU about a plain step a token (minutes for
+#: the scan), where verifying over it gains nothing anyway.
+KV_PROBE_BUDGET_S = 2.0
+
 def warn_no_rollback(model: nn.Module, cache: List[Any]) -> None:
     """Warn once per model that its cache cannot roll back, so no drafting."""
     if getattr(model, "_mlx_lm_suffix_warned", False):
@@ -63,11 +71,13 @@ def quantized_width(model: nn.Module, bits: int, group_size: int, limit: int) ->
     every later token attends to that: logits move by tenths, not by
     rounding, and greedy output leaves stock's. Only forwards that quantize
     to the same entries keep a quantized cache stock's (with OpenBLAS none
-    does; with reference BLAS, any)."""
+    does; with reference BLAS, any). Widths are tested from 2 up for at most
+    :data:`KV_PROBE_BUDGET_S` (width 2 always)."""
     widths = model.__dict__.setdefault("_mlx_lm_suffix_kv_widths", {})
     key = (bits, group_size, limit)
     if key in widths:
         return widths[key]
+    deadline = time.perf_counter() + KV_PROBE_BUDGET_S
     vocab = getattr(getattr(model, "args", None), "vocab_size", 32)
     context, tokens = mx.arange(64) % vocab, (mx.arange(limit) * 7919 + 3) % vocab
 
@@ -83,11 +93,11 @@ def quantized_width(model: nn.Module, bits: int, group_size: int, limit: int) ->
         return [a[..., :n, :] for c in cache if hasattr(c, "bits")
                 for part in (c.keys, c.values) for a in part]
 
-    ref = scratch()
-    for i in range(limit):
-        model(tokens[None, i : i + 1], cache=ref)
-    cache, width = scratch(), 1
+    ref, cache, width, stepped = scratch(), scratch(), 1, 0
     for w in range(2, limit + 1):
+        for i in range(stepped, w):  # the reference: one-token steps as far
+            model(tokens[None, i : i + 1], cache=ref)
+        stepped = w
         saved = rollback.checkpoint(cache)
         model(tokens[None, :w], cache=cache)
         n = context.size + w
@@ -96,6 +106,8 @@ def quantized_width(model: nn.Module, bits: int, group_size: int, limit: int) ->
         if not same:
             break
         width = w
+        if time.perf_counter() > deadline:
+            break
     widths[key] = width
     return width
 

@@ -580,3 +580,22 @@ def test_prefill_chunks_are_no_cost_points(model_and_tokenizer):
     # token fed first) or n + 1 (settled: the pending token fed first).
     widths = {w for n in drafter.stats.lengths for w in (n, n + 1)}
     assert set(drafter.policy.cost.points) <= {1, 2} | widths
+
+
+def test_quantized_width_probe_keeps_within_its_budget(models_dir, monkeypatch):
+    """The probe of forward widths over a quantized KV cache tests widths
+    from 2 up and keeps the widest matched when its time is up: with
+    reference BLAS (this process) every width matches, so with no time it
+    keeps 2 and with its default budget the whole range of a small model.
+    (The scan once ran to the end whatever it cost: 205 s on the real f32
+    SmolLM2 here at 65 tokens, each w-token forward over the quantized
+    cache costing w plain steps.)"""
+    from mlx_lm_suffix import loop
+    from mlx_lm_suffix.tools.models import ensure_model
+
+    path = str(ensure_model("qwen3", "mini", cache_dir=models_dir))  # head_dim 32 or more
+    model, _ = load(path)
+    assert loop.quantized_width(model, 8, 32, 9) == 9  # cached per model and setting
+    model, _ = load(path)  # a fresh model: nothing cached
+    monkeypatch.setattr(loop, "KV_PROBE_BUDGET_S", 0.0)
+    assert loop.quantized_width(model, 8, 32, 9) == 2
