@@ -116,12 +116,11 @@ def _positive_int(name: str, value: Any, allow_zero: bool = False) -> int:
     return value
 
 
-def _number(name: str, value: Any, lo: float, hi: Optional[float] = None) -> float:
+def _number(name: str, value: Any, lo: float, hi: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        rng = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name} must be {rng}, got {value}")
+    if not lo <= value <= hi:  # also NaN
+        raise ValueError(f"{name} must be in [{lo:g}, {hi:g}], got {value}")
     return float(value)
 
 
@@ -185,9 +184,13 @@ class SuffixDrafter:
         self.max_cached_tokens = _positive_int(
             "max_cached_tokens", max_cached_tokens, allow_zero=True
         )
-        self.max_spec_factor = _number("max_spec_factor", max_spec_factor, 0.0)
-        self.max_spec_offset = _number("max_spec_offset", max_spec_offset, -1e9)
+        # Bounded so that a draft's length, match * factor + offset, stays an
+        # int32 in arctic's trees (the longest match is max_tree_depth).
+        self.max_spec_factor = _number("max_spec_factor", max_spec_factor, 0.0, 1e6)
+        self.max_spec_offset = _number("max_spec_offset", max_spec_offset, -1e9, 1e9)
         self.min_token_prob = _number("min_token_prob", min_token_prob, 0.0, 1.0)
+        if cost is not None and not isinstance(cost, VerifyCost):
+            raise ValueError(f"cost must be a VerifyCost or None, got {cost!r}")
         self.stats = DraftStats()
         self.policy = Policy(policy, cost, self.stats)
         self._lock = threading.RLock()

@@ -420,6 +420,10 @@ def suffix_generate_step(
     """
     if len(prompt) == 0:
         raise ValueError("The prompt must contain at least one token.")
+    if prompt.dtype not in (mx.uint32, mx.uint64) and mx.min(prompt).item() < 0:
+        # (stock's embedding wraps a negative id around; cast to an unsigned
+        # id for the cache and the trees, it indexes past the vocabulary)
+        raise ValueError("The prompt's token ids must be non-negative.")
     limit = max_tokens if max_tokens >= 0 else math.inf
     if limit == 0:
         return

@@ -284,3 +284,17 @@ def test_cache_file_round_trip_and_errors(tmp_path):
     with pytest.raises(FileNotFoundError):
         read_cache_file(tmp_path / "missing.json", "model-a")
     assert [p.name for p in tmp_path.iterdir()] == ["cache.json"]  # no temp files left
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"max_spec_factor": float("nan")}, {"max_spec_factor": float("inf")},
+    {"max_spec_factor": 1e30}, {"max_spec_offset": 1e30}, {"max_spec_offset": float("nan")},
+    {"min_token_prob": float("nan")}, {"cost": "abc"}, {"cost": 123},
+])
+def test_non_finite_and_out_of_range_settings_are_refused(kwargs):
+    """NaN passed every range check (comparisons with it are false), and a
+    huge spec factor or offset overflowed the trees' draft length: each
+    turned drafting off without a word. A cost that is not a VerifyCost
+    failed at the first generation."""
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        SuffixDrafter(**kwargs)

@@ -599,3 +599,16 @@ def test_quantized_width_probe_keeps_within_its_budget(models_dir, monkeypatch):
     model, _ = load(path)  # a fresh model: nothing cached
     monkeypatch.setattr(loop, "KV_PROBE_BUDGET_S", 0.0)
     assert loop.quantized_width(model, 8, 32, 9) == 2
+
+
+def test_negative_prompt_ids_are_refused(model_and_tokenizer):
+    """A negative token id in the prompt gets a ValueError (it crashed the
+    process: cast to an unsigned id it indexed past the vocabulary; stock's
+    embedding wraps it around). Valid ids still generate as stock."""
+    model, tokenizer = model_and_tokenizer
+    for ids in ([-1], [5, -3], [1, 2, 3, -1, 4]):
+        with pytest.raises(ValueError, match="non-negative"):
+            next(stream_generate(model, tokenizer, ids, max_tokens=4, draft_model=SuffixDrafter()))
+    ok = [r.token for r in stream_generate(model, tokenizer, [5, 6], max_tokens=4,
+                                           draft_model=SuffixDrafter())]
+    assert ok == [r.token for r in stream_generate(model, tokenizer, [5, 6], max_tokens=4)]
