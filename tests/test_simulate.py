@@ -334,3 +334,21 @@ def test_replay_learns_plain_steps_as_the_loop_does():
     d = SuffixDrafter(policy="adaptive", cost=VerifyCost({1: step, 2: 1.5 * step}))
     replay(d, short, dear, step)
     assert d.policy.cost.points[1] == step
+
+
+@pytest.mark.parametrize("line", [
+    '{"prompt": 5, "response": "y"}', '{"prompt": [1, -5], "response": [1, 2]}',
+    '{"prompt": [1.5, 2], "response": [1, 2]}', '{"prompt": [1, 2], "response": [true, 2]}',
+    '{"prompt": [1, 99999999999], "response": [1, 2]}', "",
+])
+def test_cli_simulate_refuses_bad_token_ids_and_empty_logs(tmp_path, line):
+    """A record whose prompt or response is neither text nor a list of
+    token ids, or a log without records, gets one line saying so (they gave
+    tracebacks, ids cut by int(), or a table of 0.00x with a recommended
+    command)."""
+    log = tmp_path / "log.jsonl"
+    log.write_text(line + "\n" if line else "")
+    result = CliRunner().invoke(main, ["simulate", str(log)])
+    assert result.exit_code != 0
+    assert "record 1" in result.output or "no records" in result.output
+    assert "Recommended" not in result.output and "Traceback" not in result.output

@@ -209,7 +209,7 @@ def tokenize_records(
     ``(tokenizer)``, which is only loaded when some entry holds text."""
     encode = None
     out = []
-    for rec in records:
+    for i, rec in enumerate(records, 1):
         if isinstance(rec, Record):
             out.append(rec)
             continue
@@ -220,8 +220,15 @@ def tokenize_records(
                 if encode is None:
                     encode = load_encoder(tokenizer)
                 value = encode(value)
+            elif not isinstance(value, (list, tuple)) or not all(
+                type(t) is int and 0 <= t < 2**31 for t in value
+            ):
+                raise ValueError(f"record {i}: {key} must be text or a list of token ids "
+                                 f"(integers from 0)")
             fields.append([int(t) for t in value])
         out.append(Record(fields[0], fields[1], rec.get("user")))
+    if not out:
+        raise ValueError("no records to replay")
     return out
 
 
