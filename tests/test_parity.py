@@ -167,3 +167,23 @@ def test_parity_with_a_quantized_kv_cache(models_dir, prompts, bits, start):
         *(["--quantized-kv-start", str(start)] if start is not None else []),
     ])
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("line,extra,says", [
+    ('{"prompt": []}', [], "expected a prompt"),
+    ('{"prompt": [1, -2]}', [], "token ids"),
+    ('{"prompt": [99999999]}', [], "below"),
+    ('{"prompt": "hello there"}', ["--kv-bits", "4"], "group size"),
+])
+def test_cli_parity_bad_prompts_and_settings_get_one_line(tiny_model_path, tmp_path, line,
+                                                          extra, says):
+    """An empty prompt, a token id out of the vocabulary, and a KV group size
+    the model's head size does not divide (the tiny model's 16 at --kv-bits
+    with the default 64) end in one line (tracebacks, or SIGSEGV for the
+    id past the vocabulary)."""
+    path = tmp_path / "p.jsonl"
+    path.write_text(line + "\n")
+    result = CliRunner().invoke(main, ["parity", "--model", str(tiny_model_path), "--prompts",
+                                       str(path), "--max-tokens", "4", *extra])
+    assert result.exit_code == 1 and says in result.output, result.output
+    assert not isinstance(result.exception, (ValueError, TypeError))

@@ -240,19 +240,28 @@ def parity_command(
         model_obj, tokenizer = par.load_model(model, dtype)
     except WheelUnavailable as e:
         raise click.ClickException(str(e)) from e
-    results = par.parity(
-        model_obj,
-        tokenizer,
-        prompts,
-        max_tokens=max_tokens,
-        num_draft_tokens=num_draft_tokens,
-        top_k=top_k,
-        tie_threshold=tie_threshold,
-        report=lambda line: click.echo(line, err=True),
-        kv_bits=kv_bits,
-        kv_group_size=kv_group_size,
-        **({} if quantized_kv_start is None else {"quantized_kv_start": quantized_kv_start}),
-    )
+    from ..persistence import vocabulary_size
+
+    vocab = vocabulary_size(model_obj, tokenizer)
+    if any(isinstance(p, list) and max(p) >= vocab for p in prompts):
+        raise click.ClickException(f"a prompt's token ids must be below {vocab}, the model's "
+                                   "vocabulary size")
+    try:
+        results = par.parity(
+            model_obj,
+            tokenizer,
+            prompts,
+            max_tokens=max_tokens,
+            num_draft_tokens=num_draft_tokens,
+            top_k=top_k,
+            tie_threshold=tie_threshold,
+            report=lambda line: click.echo(line, err=True),
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            **({} if quantized_kv_start is None else {"quantized_kv_start": quantized_kv_start}),
+        )
+    except ValueError as e:  # e.g. a KV group size the model's head size does not divide
+        raise click.ClickException(str(e)) from e
     click.echo(par.format_report(results))
     if json_out:
         _write_json(json_out, results)

@@ -113,8 +113,10 @@ def read_prompts(path: Union[str, os.PathLike]) -> List[Prompt]:
     prompts: List[Prompt] = []
     for lineno, entry in read_jsonl(path):
         prompt = entry.get("prompt") if isinstance(entry, dict) else entry
-        if not isinstance(prompt, (str, list)):
+        if not isinstance(prompt, (str, list)) or not prompt:
             raise ValueError(f"{path}:{lineno}: expected a prompt string or token list")
+        if isinstance(prompt, list) and not all(type(t) is int and t >= 0 for t in prompt):
+            raise ValueError(f"{path}:{lineno}: a token list holds token ids (integers from 0)")
         prompts.append(prompt)
     return prompts
 
