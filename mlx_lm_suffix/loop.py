@@ -381,6 +381,16 @@ def _hand_out(driver: _Single) -> Generator[Tuple[int, mx.array, bool], None, No
             driver.plain_at += time.perf_counter() - yielded
 
 
+def _check_prompt(prompt: mx.array) -> None:
+    """Refuse an empty prompt, and negative token ids (stock's embedding
+    wraps them around; cast to unsigned ids for the cache and the trees,
+    they index past the vocabulary)."""
+    if len(prompt) == 0:
+        raise ValueError("The prompt must contain at least one token.")
+    if prompt.dtype not in (mx.uint32, mx.uint64) and mx.min(prompt).item() < 0:
+        raise ValueError("The prompt's token ids must be non-negative.")
+
+
 def suffix_generate_step(
     prompt: mx.array,
     model: nn.Module,
@@ -418,12 +428,7 @@ def suffix_generate_step(
     Yields:
         ``(token, logprobs, from_draft)``.
     """
-    if len(prompt) == 0:
-        raise ValueError("The prompt must contain at least one token.")
-    if prompt.dtype not in (mx.uint32, mx.uint64) and mx.min(prompt).item() < 0:
-        # (stock's embedding wraps a negative id around; cast to an unsigned
-        # id for the cache and the trees, it indexes past the vocabulary)
-        raise ValueError("The prompt's token ids must be non-negative.")
+    _check_prompt(prompt)
     limit = max_tokens if max_tokens >= 0 else math.inf
     if limit == 0:
         return
