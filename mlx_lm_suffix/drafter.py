@@ -83,12 +83,12 @@ class Draft:
             return self
         return replace(self, tokens=self.tokens[:n], probs=self.probs[:n]) if n > 0 else Draft()
 
-    def after(self, n: int, limit: Optional[int] = None) -> "Draft":
+    def after(self, n: int, limit: int) -> "Draft":
         """The rest of the draft once its first ``n`` tokens are committed
         (at most ``limit`` of it): its estimates given them, from a match
         ``n`` tokens longer."""
         q = self.probs[n - 1] if n else 1.0
-        end = None if limit is None else n + limit
+        end = n + limit
         return replace(
             self,
             tokens=self.tokens[n:end],
