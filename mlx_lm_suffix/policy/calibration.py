@@ -150,16 +150,19 @@ class Calibration:
         if not probs or probs[0] <= 0:
             return [0.0] * len(probs)
         cells = self._cells(len(probs), match_len, source, tree_len, tree_match)
-        ratios: Dict[tuple, float] = {}  # a draft has a cell or two
-        for part, cell in [("first", cells[0])] + [("tail", c) for c in cells[1:]]:
-            if (part, *cell) not in ratios:
-                r = self._ratio((part, *cell))
-                ratios[(part, *cell)] = r if trust is None else trust.ratio(part, cell[0], r)
-        out = [min(1.0, ratios[("first", *cells[0])] * probs[0])]
+
+        def ratio(part: str, cell: Tuple[str, int]) -> float:
+            r = self._ratio((part, *cell))
+            return r if trust is None else trust.ratio(part, cell[0], r)
+
+        tails = {c: ratio("tail", c) for c in set(cells[1:])}  # a draft has a cell or two
+        p = min(1.0, ratio("first", cells[0]) * probs[0])
+        out = [p]
         w = self.draft_weight
         for j, (cell, step) in enumerate(zip(cells[1:], _steps(probs))):
-            ratio = (ratios[("tail", *cell)] * w + j) / (w + j)
-            out.append(out[-1] * min(1.0, ratio * step))
+            x = (tails[cell] * w + j) / (w + j) * step
+            p *= x if x < 1.0 else 1.0
+            out.append(p)
         return out
 
     def update(
@@ -303,7 +306,7 @@ class RequestTrust:
 def _steps(probs: Sequence[float]) -> List[float]:
     """Each draft token's estimate after the first, given the one before
     it (the trees' estimates are cumulative)."""
-    return [min(1.0, p / q) if q > 0 else 0.0 for q, p in zip(probs, probs[1:])]
+    return [(p / q if p < q else 1.0) if q > 0 else 0.0 for q, p in zip(probs, probs[1:])]
 
 
 def given_first(probs: Sequence[float]) -> List[float]:
@@ -311,4 +314,5 @@ def given_first(probs: Sequence[float]) -> List[float]:
     is right (the trees' estimates are cumulative)."""
     if not probs or probs[0] <= 0:
         return []
-    return [min(1.0, p / probs[0]) for p in probs[1:]]
+    first = probs[0]
+    return [p / first if p < first else 1.0 for p in probs[1:]]

@@ -39,8 +39,10 @@ class VerifyCost:
         self._sizes = sorted(self.points)
         # (rows, width bucket) -> [factor, steps seen]
         self.batch_factors: Dict[Tuple[int, int], List[float]] = {}
-        # Batched forwards' costs by (tokens, rows) until the curve changes
-        # (a batch's widths are priced every step, its curve learns rarely).
+        # Forwards' costs by tokens, and batched ones by (tokens, rows), until
+        # the curve changes (a cut prices every width of a draft, the curve
+        # learns every few steps).
+        self._costs: Dict[int, float] = {}
         self._batch_costs: Dict[Tuple[int, int], float] = {}
         self._envelope()
 
@@ -49,6 +51,7 @@ class VerifyCost:
         less, nor more than proportionally more (``n`` one-token forwards
         would do). Timing noise only ever adds time, so each point is lowered
         to the bound its neighbours give."""
+        self._costs.clear()
         self._batch_costs.clear()
         pts, sizes = self.points, self._sizes
         for lo, hi in zip(sizes, sizes[1:]):
@@ -63,6 +66,12 @@ class VerifyCost:
                 known = self.batch_prior(n, rows) * self._batch_factor(self._shape(n, rows))
                 self._batch_costs[(n, rows)] = known
             return known
+        known = self._costs.get(n)
+        if known is None:
+            known = self._costs[n] = self._interpolate(n)
+        return known
+
+    def _interpolate(self, n: int) -> float:
         sizes, pts = self._sizes, self.points
         if n <= sizes[0]:
             return pts[sizes[0]]
