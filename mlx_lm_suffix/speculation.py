@@ -324,10 +324,7 @@ def propose(rows: Sequence[Row], driver: Driver, settled: bool) -> Optional[List
 
     if not may_draft(math.inf):  # (then the cache's room need not be asked)
         return None
-    if all(r.resting() for r in rows) and ranks.group() is None:
-        # Nor while every row skips (in one process: ranks decide by room).
-        for r in rows:
-            r.rest()
+    if _resting(rows):  # (in one process: ranks decide by room)
         return [Draft() for _ in rows]
     room = driver.room()
     if not may_draft(room):
@@ -335,6 +332,16 @@ def propose(rows: Sequence[Row], driver: Driver, settled: bool) -> Optional[List
     if ranks.following():
         return [Draft() for _ in rows]
     return [row.propose(room, settled) for row in rows]
+
+
+def _resting(rows: Sequence[Row]) -> bool:
+    """Whether every row skips proposing this step (then, in one process,
+    the step proposes and prices nothing: each row counts a skip)."""
+    if ranks.group() is not None or not all(r.resting() for r in rows):
+        return False
+    for r in rows:
+        r.rest()
+    return True
 
 
 def _drafts(rows: Sequence[Row], driver: Driver, settled: bool, budget: Optional[float],
@@ -459,6 +466,8 @@ def stepping(driver: Driver, settled: bool, budget: Optional[float] = None
     yield
     if driver.rows != rows:  # rows finished: their drafts go with them
         early, rows = None, driver.rows
+    elif early is None and _resting(rows):
+        return False
     if not rows:
         return False
     _, drafts = _drafts(rows, driver, False, budget, early)
