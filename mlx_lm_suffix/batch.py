@@ -280,7 +280,7 @@ class SuffixGenerationBatch(GenerationBatch):
     def replays(self, width: int) -> bool:
         return rollback.replays(self.prompt_cache, width)
 
-    def verify(self, inputs: List[List[int]]) -> List[List[int]]:
+    def verify(self, inputs: List[List[int]], busy: Callable[[], None]) -> List[List[int]]:
         """One forward over every row's inputs, right-padded to the longest;
         logits processors run per position over the row's tokens so far,
         and each row samples all its positions."""
@@ -301,6 +301,8 @@ class SuffixGenerationBatch(GenerationBatch):
         sampled = mx.stack([
             sampling.sample(s or self.fallback_sampler, lp)[0] for s, lp in zip(samplers, logprobs)
         ])
+        mx.async_eval(sampled, logprobs)
+        busy()
         mx.eval(sampled, logprobs)
         self.policy.observe(padded.size, time.perf_counter() - tic, rows=len(inputs))
         self._verified = (tic, saved, inputs, sampled, logprobs)

@@ -105,6 +105,7 @@ class _Request:
     context: List[int]  # the last tokens, to match in the trees
     copy: PromptCopy
     response: List[int]  # what the global tree gets: the prompt's tail, then the output
+    planted: int  # how many of them the trees have
 
 
 def _positive_int(name: str, value: Any, allow_zero: bool = False) -> int:
@@ -259,13 +260,17 @@ class SuffixDrafter:
             # The newest token is held back (see commit).
             self._trees.start(req_id, scope, prompt[:split], prompt[split:-1])
             self._active[req_id] = _Request(
-                scope, prompt[-self.max_tree_depth :], copy, prompt[split:]
+                scope, prompt[-self.max_tree_depth :], copy, prompt[split:],
+                max(0, len(prompt) - split - 1),
             )
             self.stats.requests += 1
             return req_id
 
-    def commit(self, req_id: int, tokens: Sequence[int]) -> None:
-        """Feed committed (emitted) tokens to the request.
+    def commit(self, req_id: int, tokens: Sequence[int], grow: bool = True) -> None:
+        """Feed committed (emitted) tokens to the request: drafts continue
+        them at once; the trees get them now, or with ``grow=False`` at the
+        next :meth:`grow` (inserting them is the larger part of the work,
+        which a caller may do while a forward runs).
 
         The trees get every token of the request but its newest: the newest
         occurs in them only once it is followed, so the context never
@@ -277,13 +282,27 @@ class SuffixDrafter:
         tokens = [int(t) for t in tokens]
         with self._lock:
             req = self._active[req_id]
-            self._trees.extend(req_id, req.scope, req.response[-1:] + tokens[:-1])
             req.response.extend(tokens)
             req.context.extend(tokens)
             req.copy.feed(tokens)
             self.stats.tokens += len(tokens)
             if len(req.context) > 2 * self.max_tree_depth:
                 del req.context[: -self.max_tree_depth]
+            if grow:
+                self._grow(req_id, req)
+
+    def grow(self, req_id: int) -> None:
+        """The trees get the request's tokens committed with ``grow=False``."""
+        with self._lock:
+            req = self._active.get(req_id)
+            if req is not None:
+                self._grow(req_id, req)
+
+    def _grow(self, req_id: int, req: _Request) -> None:
+        newest = len(req.response) - 1
+        if newest > req.planted:
+            self._trees.extend(req_id, req.scope, req.response[req.planted : newest])
+            req.planted = newest
 
     def propose(self, req_id: int, max_tokens: Optional[int] = None) -> Draft:
         """The draft of up to ``max_tokens`` (default ``num_draft_tokens``)
@@ -321,7 +340,7 @@ class SuffixDrafter:
             req = self._active.pop(req_id, None)
             if req is None:
                 return
-            self._trees.extend(req_id, req.scope, req.response[-1:])  # the newest
+            self._trees.extend(req_id, req.scope, req.response[req.planted :])
             self._trees[req.scope].stop_request(req_id)
             self._trees.keep(req_id, req.scope, req.response)
 

@@ -201,12 +201,14 @@ class _Single:
         self.out.append((t, logprobs[0], False))
         self.rows[0].stepped(t)
 
-    def verify(self, inputs: List[List[int]]) -> List[List[int]]:
+    def verify(self, inputs: List[List[int]], busy: Callable[[], None]) -> List[List[int]]:
         self.plain_at = None
         tokens = mx.array(inputs[0], mx.uint32)
         saved = rollback.checkpoint(self.cache)
         tic = time.perf_counter()
         y, logprobs, states = self.forward(tokens, quantize=False)
+        mx.async_eval(y)
+        busy()
         targets = y.tolist()
         self.policy.observe(tokens.size, time.perf_counter() - tic)
         self._verified = (saved, tokens, logprobs, targets, states)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Generator, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Generator, List, Optional, Protocol, Sequence, Tuple
 
 from . import ranks
 from .drafter import Draft, SuffixDrafter
@@ -57,9 +57,12 @@ class Row:
     (``usage``), which the drafter's totals follow.
 
     A row hands its emitted tokens and plain steps to the drafter in bulk:
-    when it walks the drafter's trees, every :data:`FLUSH` tokens (so that
-    other requests in flight draft from it), and when it finishes
-    (:meth:`finish`); a plain step itself costs a list append.
+    when it walks the drafter's trees, while a verification's forward runs
+    (:meth:`grow`), every :data:`FLUSH` plain steps (so that other requests
+    in flight draft from it), and when it finishes (:meth:`finish`); a
+    plain step itself costs a list append. The drafter's trees get the
+    tokens only while a forward runs: a walk between a forward's result and
+    the next forward (settled) hands the drafter its context alone.
 
     Every draft it proposes is held against the tokens it then emits,
     verified or not (:meth:`emit`): how far it held teaches the request's own
@@ -84,6 +87,7 @@ class Row:
     # host seconds of drafting not yet in its totals.
     _tokens: List[int] = field(default_factory=list)
     _steps: int = 0
+    _ungrown: bool = False  # the drafter has tokens its trees have not
     _host: float = 0.0
     # The draft held against the committed tokens: the tokens committed
     # before it, how many it was compared with and held for, whether a plain
@@ -123,7 +127,7 @@ class Row:
             return Draft()
         self._settle_watch()
         tic = time.perf_counter()
-        self._flush()
+        self._flush(grow=not settled)
         draft = self.drafter.propose(self.req, k)
         self._host += time.perf_counter() - tic
         draft.trust = self.trust
@@ -164,6 +168,8 @@ class Row:
         self.emitted += 1
         self.usage.steps += self.req is not None
         self._steps += 1
+        if len(self._tokens) >= FLUSH:
+            self._flush()
 
     def emit(self, tokens: Sequence[int], drafted: int = 0) -> None:
         """``tokens`` are emitted in order, the pending token first;
@@ -183,14 +189,23 @@ class Row:
         self._tokens.extend(tokens)
         if self._draft is not None:
             self._watch(tokens, start)
-        if len(self._tokens) >= FLUSH:
+
+    def grow(self) -> None:
+        """While a forward runs: the drafter gets the committed tokens, its
+        trees included."""
+        if self.req is not None:
             self._flush()
 
-    def _flush(self) -> None:
-        """Hand the committed tokens and plain steps to the drafter."""
+    def _flush(self, grow: bool = True) -> None:
+        """Hand the committed tokens and plain steps to the drafter (its
+        trees get the tokens unless ``grow`` is False)."""
         if self._tokens:
-            self.drafter.commit(self.req, self._tokens)
+            self.drafter.commit(self.req, self._tokens, grow)
             self._tokens = []
+            self._ungrown = not grow
+        elif grow and self._ungrown:
+            self.drafter.grow(self.req)
+            self._ungrown = False
         if self._steps:
             self.count(steps=self._steps, counted=True)
             self._steps = 0
@@ -290,9 +305,10 @@ class Driver(Protocol):
         """Each row emits its pending token (:meth:`Row.stepped`) and the
         forward after them is queued; rows that finish leave."""
 
-    def verify(self, inputs: List[List[int]]) -> List[List[int]]:
+    def verify(self, inputs: List[List[int]], busy: Callable[[], None]) -> List[List[int]]:
         """One forward over each row's ``inputs``: the tokens sampled after
-        each of them."""
+        each of them; ``busy`` is called once the forward is queued, before
+        its result is read (host work that does not need it)."""
 
     def keep(self, accepted: List[int], first: List[int]) -> None:
         """After :meth:`verify`: row ``i`` keeps its first ``1 + accepted[i]``
@@ -415,7 +431,7 @@ def _verify(driver: Driver, pending: Sequence[int], drafts: List[Draft], first: 
     rows = driver.rows
     inputs = [[p] + d.tokens[first:] for p, d in zip(pending, drafts)]
     _idle(driver, idle)
-    targets = driver.verify(inputs)
+    targets = driver.verify(inputs, lambda: [r.grow() for r in rows])
     result = time.perf_counter()
     accepted = [accept(r, d, first, t) for r, d, t in zip(rows, drafts, targets)]
     driver.keep(accepted, [first if d else 0 for d in drafts])

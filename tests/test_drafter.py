@@ -298,3 +298,23 @@ def test_non_finite_and_out_of_range_settings_are_refused(kwargs):
     failed at the first generation."""
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         SuffixDrafter(**kwargs)
+
+
+def test_tokens_committed_without_growing_reach_the_trees_at_grow():
+    """``commit(grow=False)`` gives drafts the context at once and the
+    trees nothing until ``grow`` (or ``finish``); the trees then hold every
+    token but the newest, as after plain commits."""
+    d = SuffixDrafter(num_draft_tokens=4)
+    r = d.start([1, 2, 3])
+    d.commit(r, [50, 51, 52, 53, 60, 50, 51], grow=False)
+    assert d.propose(r).tokens == []  # 50, 51 is in no tree yet
+    d.commit(r, [52], grow=False)
+    d.grow(r)
+    assert d.propose(r).tokens == [53, 60, 50, 51]
+    plain = SuffixDrafter(num_draft_tokens=4)
+    q = plain.start([1, 2, 3])
+    plain.commit(q, [50, 51, 52, 53, 60, 50, 51, 52])
+    assert plain.propose(q).tokens == d.propose(r).tokens
+    d.commit(r, [7, 8], grow=False)
+    d.finish(r)  # the response goes to the global tree whole
+    assert d.propose(d.start([9, 60, 50, 51, 52, 7]), 2).tokens == [8]

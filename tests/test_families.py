@@ -201,9 +201,9 @@ class _Scripted(SuffixDrafter):
         self.script, self.at, self.wrong = script, at, wrong
         self.n, self.done = 0, False
 
-    def commit(self, req_id: int, tokens: Sequence[int]) -> None:
+    def commit(self, req_id: int, tokens: Sequence[int], grow: bool = True) -> None:
         self.n += len(tokens)
-        super().commit(req_id, tokens)
+        super().commit(req_id, tokens, grow)
 
     def propose(self, req_id: int, max_tokens: Optional[int] = None) -> Draft:
         if self.done or self.n < self.at:

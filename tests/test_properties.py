@@ -84,8 +84,8 @@ class PlannedDrafter(SuffixDrafter):
         self.seqs[req] = [list(prompt), self.plans[len(self.ids) - 1 :] or [(0, 0)]]
         return req
 
-    def commit(self, req, tokens):
-        super().commit(req, tokens)
+    def commit(self, req, tokens, grow=True):
+        super().commit(req, tokens, grow)
         self.seqs[req][0].extend(int(t) for t in tokens)
 
     def propose(self, req, max_tokens=None):

@@ -106,9 +106,9 @@ def test_the_simulator_caps_as_the_loop(setting, monkeypatch):
     _, prompt, ref = setting
     fed, verify = [], simulate._Replay.verify
 
-    def spy(self, inputs):
+    def spy(self, inputs, busy):
         fed.append((self.at, len(inputs[0])))
-        return verify(self, inputs)
+        return verify(self, inputs, busy)
 
     monkeypatch.setattr(simulate._Replay, "verify", spy)
     drafter = _oracle(ref)
@@ -219,3 +219,32 @@ def test_host_work_and_waits_are_counted(setting):
     assert snap["waits"] > 0 and snap["idle_s"] > 0 and snap["host_s"] > 0
     assert snap["host_us_per_step"] == pytest.approx(1e6 * snap["host_s"] / snap["steps"])
     assert snap["idle_us_per_wait"] == pytest.approx(1e6 * snap["idle_s"] / snap["waits"])
+
+
+def test_a_verification_grows_the_trees_while_its_forward_runs(setting, monkeypatch):
+    """Tokens committed since the last forward reach the drafter's trees in
+    the verification's ``busy`` call (queued, not yet read), not in the walk
+    before it: after a verification's result, a walk hands over the context
+    alone."""
+    from mlx_lm_suffix.tools import simulate
+
+    _, prompt, ref = setting
+    seen, verify = [], simulate._Replay.verify
+
+    def ungrown(row):
+        req = row.drafter._active[row.req]
+        return len(row._tokens) + len(req.response) - 1 - req.planted
+
+    def spy(self, inputs, busy):
+        row = self.rows[0]
+        before = ungrown(row)
+        busy()
+        seen.append((before, ungrown(row)))
+        return verify(self, inputs, lambda: None)
+
+    monkeypatch.setattr(simulate._Replay, "verify", spy)
+    drafter = OracleDrafter(num_draft_tokens=3, policy="fixed")
+    drafter.set_reference(ref)
+    replay(drafter, Record(prompt, ref[: 2 * MAX_TOKENS]))
+    assert len(seen) > 1 and all(after == 0 for _, after in seen), seen
+    assert sum(before for before, _ in seen) > 0, seen

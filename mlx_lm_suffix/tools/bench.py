@@ -364,8 +364,8 @@ class OracleDrafter(SuffixDrafter):
         self._done[req] = 0
         return req
 
-    def commit(self, req_id: int, tokens: Sequence[int]) -> None:
-        super().commit(req_id, tokens)
+    def commit(self, req_id: int, tokens: Sequence[int], grow: bool = True) -> None:
+        super().commit(req_id, tokens, grow)
         self._done[req_id] = self._done.get(req_id, 0) + len(tokens)
 
     def propose(self, req_id: int, max_tokens: Optional[int] = None) -> Draft:

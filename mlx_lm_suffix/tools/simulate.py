@@ -290,7 +290,8 @@ class _Replay:
         self.at += 1
         self._queued = True
 
-    def verify(self, inputs: List[List[int]]) -> List[List[int]]:
+    def verify(self, inputs: List[List[int]], busy: Callable[[], None]) -> List[List[int]]:
+        busy()
         self._fed, self._queued, self._plain_run = inputs[0], False, False
         self.total += self.cost(len(self._fed) - 1)
         self._waits()
