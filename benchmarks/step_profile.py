@@ -12,8 +12,8 @@ loop's pieces are timed by wrapping them (``perf_counter``):
 - ``plain``: a plain step's driver call (``_Single.plain``): the forward's
   graph built (``build``), queued (``mx.async_eval``; on a CPU backend it
   computes there), the previous token read, the row's bookkeeping;
-- ``propose+cut``: the rows' proposals and the policy's cut, every step
-  (also while rows skip proposing);
+- ``propose+cut``: the rows' proposals and the policy's cut (a step in
+  which every row skips proposing has none: it ends after its plain step);
 - ``check``: the wait for a plain forward whose token checks a draft
   (``pending`` after ``plain``) and the check;
 - ``verify`` (the verification's forward, built and read) and ``keep``
