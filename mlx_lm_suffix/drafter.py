@@ -107,6 +107,12 @@ class _Request:
     response: List[int]  # what the global tree gets: the prompt's tail, then the output
     planted: int  # how many of them the trees have
 
+    def unplanted(self) -> List[int]:
+        """The response's tokens the trees lack but its newest, now theirs."""
+        newest, start = len(self.response) - 1, self.planted
+        self.planted = max(start, newest)
+        return self.response[start:newest]
+
 
 def _positive_int(name: str, value: Any, allow_zero: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -175,16 +181,10 @@ class SuffixDrafter:
         policy: str = "adaptive",
         cost: Optional[VerifyCost] = None,
     ):
-        self.num_draft_tokens = _positive_int(
-            "num_draft_tokens", num_draft_tokens, allow_zero=True
-        )
+        self.num_draft_tokens = _positive_int("num_draft_tokens", num_draft_tokens, True)
         self.max_tree_depth = _positive_int("max_tree_depth", max_tree_depth)
-        self.max_cached_requests = _positive_int(
-            "max_cached_requests", max_cached_requests, allow_zero=True
-        )
-        self.max_cached_tokens = _positive_int(
-            "max_cached_tokens", max_cached_tokens, allow_zero=True
-        )
+        self.max_cached_requests = _positive_int("max_cached_requests", max_cached_requests, True)
+        self.max_cached_tokens = _positive_int("max_cached_tokens", max_cached_tokens, True)
         # Bounded so that a draft's length, match * factor + offset, stays an
         # int32 in arctic's trees (the longest match is max_tree_depth).
         self.max_spec_factor = _number("max_spec_factor", max_spec_factor, 0.0, 1e6)
@@ -289,20 +289,14 @@ class SuffixDrafter:
             if len(req.context) > 2 * self.max_tree_depth:
                 del req.context[: -self.max_tree_depth]
             if grow:
-                self._grow(req_id, req)
+                self._trees.extend(req_id, req.scope, req.unplanted())
 
     def grow(self, req_id: int) -> None:
         """The trees get the request's tokens committed with ``grow=False``."""
         with self._lock:
             req = self._active.get(req_id)
             if req is not None:
-                self._grow(req_id, req)
-
-    def _grow(self, req_id: int, req: _Request) -> None:
-        newest = len(req.response) - 1
-        if newest > req.planted:
-            self._trees.extend(req_id, req.scope, req.response[req.planted : newest])
-            req.planted = newest
+                self._trees.extend(req_id, req.scope, req.unplanted())
 
     def propose(self, req_id: int, max_tokens: Optional[int] = None) -> Draft:
         """The draft of up to ``max_tokens`` (default ``num_draft_tokens``)
