@@ -292,9 +292,9 @@ class SuffixGenerationBatch(GenerationBatch):
         logits = self.model(padded, cache=self.prompt_cache)
         if any(self.logits_processors):
             logits = mx.stack([
-                sampling.process(p, mx.array(self.tokens[i], mx.uint32), padded[i], logits[i],
-                                 len(inputs[i])) if p else logits[i]
-                for i, p in enumerate(self.logits_processors)
+                sampling.process(p, mx.array(self.tokens[i] + x + [0] * (width - len(x)),
+                                             mx.uint32), logits[i], len(x)) if p else logits[i]
+                for i, (p, x) in enumerate(zip(self.logits_processors, inputs))
             ])
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         samplers = self.samplers or [None] * len(inputs)

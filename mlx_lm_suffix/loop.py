@@ -144,6 +144,7 @@ class _Single:
         self.sampler, self.processors = sampler, processors
         self.kv_quantization = kv_quantization
         self.history = history  # the tokens in the cache, for logits processors
+        self.seen = history  # and the last forward's inputs after them
         self.ctx_limit = ctx_limit
         #: The widest forward over the quantized cache (see :func:`quantized_width`).
         self.kv_width = 1
@@ -168,17 +169,20 @@ class _Single:
         if quantize:
             maybe_quantize_kv_cache(self.cache, *self.kv_quantization)
         if self.processors:
-            logits = sampling.process(self.processors, self.history, inputs, logits)
+            self.seen = mx.concatenate([self.history, inputs])
+            logits = sampling.process(self.processors, self.seen, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if single:
             return self.sampler(logprobs), logprobs, None
         y, states = sampling.sample(self.sampler, logprobs)
         return y, logprobs, states
 
-    def fed(self, tokens: mx.array) -> None:
-        """``tokens`` are in the cache now."""
+    def fed(self, n: int) -> None:
+        """The first ``n`` inputs of the last :meth:`forward` are in the
+        cache now."""
         if self.processors:
-            self.history = mx.concatenate([self.history, tokens])
+            kept = self.history.size + n
+            self.history = self.seen if kept == self.seen.size else self.seen[:kept]
 
     # ------------------------------------------------------------- Driver
     def pending(self) -> List[int]:
@@ -197,7 +201,7 @@ class _Single:
             # step's wall time, as a verification's is its forward's.
             self.policy.observe_plain(ready - self.plain_at)
         self.plain_at = ready
-        self.fed(tok)
+        self.fed(1)
         self.out.append((t, logprobs[0], False))
         self.rows[0].stepped(t)
 
@@ -211,20 +215,21 @@ class _Single:
         busy()
         targets = y.tolist()
         self.policy.observe(tokens.size, time.perf_counter() - tic)
-        self._verified = (saved, tokens, logprobs, targets, states)
+        self._verified = (saved, tokens, inputs[0], logprobs, targets, states)
         return [targets]
 
     def keep(self, accepted: List[int], first: List[int]) -> None:
         a, first = accepted[0], first[0]
-        saved, tokens, logprobs, targets, states = self._verified
+        saved, tokens, fed, logprobs, targets, states = self._verified
         kept = tokens[: a + 1]
         since = self._undo(saved, tokens.size, tokens.size - a - 1, kept)
         maybe_quantize_kv_cache(self.cache, *self.kv_quantization)
         sampling.rewind(states, a + 1)
-        self.fed(kept)
-        emitted = kept.tolist()
+        self.fed(a + 1)
+        emitted = fed[: a + 1]  # (the list: reading ``kept`` would wait for an evaluation)
         self.out.append((emitted[0], self.logprobs[0], bool(first)))
-        self.out.extend((emitted[j], logprobs[j - 1], True) for j in range(1, a + 1))
+        if a:  # (one split, not an array per index)
+            self.out.extend(zip(emitted[1:], mx.split(logprobs[:a].reshape(-1), a), [True] * a))
         self.rows[0].emit(emitted, drafted=a + first)
         self.y, self.logprobs = mx.array([targets[a]], mx.uint32), logprobs[a : a + 1]
         self._verified = (saved, since, kept)

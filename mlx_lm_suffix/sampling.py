@@ -25,27 +25,28 @@ Processor = Callable[[mx.array, mx.array], mx.array]
 
 def process(
     processors: Sequence[Processor],
-    context: mx.array,
-    inputs: mx.array,
+    seen: mx.array,
     logits: mx.array,
     n: Optional[int] = None,
 ) -> mx.array:
-    """``logits`` (positions x vocabulary, one position per input) after
-    ``processors``, position ``j`` seeing ``context`` (the tokens before the
-    inputs) plus ``inputs[: j + 1]``; positions from ``n`` on (padding) stay
-    as they are."""
-    n = inputs.size if n is None else n
-    seen = mx.concatenate([context, inputs])
+    """``logits`` (positions x vocabulary) after ``processors``: the
+    positions are the last ``logits.shape[0]`` tokens of ``seen`` (the
+    tokens before them first), and position ``j`` sees ``seen`` up to its
+    own token; positions from ``n`` on (padding) stay as they are."""
+    width = logits.shape[0]
+    n = width if n is None else n
+    start = seen.size - width
     rows = []
-    for j in range(logits.shape[0]):
-        row = logits[j : j + 1]
+    for j in range(width):
+        # (The last position sees all of ``seen``, and one position, as a
+        # plain step's, is the whole of ``logits``: neither is sliced.)
+        row = logits[j : j + 1] if width > 1 else logits
         if j < n:
-            tokens = seen[: context.size + j + 1]
+            tokens = seen[: start + j + 1] if j + 1 < width else seen
             for processor in processors:
                 row = processor(tokens, row)
         rows.append(row)
-    # (One position, as a plain step's: no copy of its vocabulary-wide row.)
-    return rows[0] if len(rows) == 1 else mx.concatenate(rows)
+    return rows[0] if width == 1 else mx.concatenate(rows)
 
 
 def sample(sampler: Callable[[mx.array], mx.array], logprobs: mx.array

@@ -221,18 +221,21 @@ class Row:
     def _watch(self, tokens: Sequence[int], start: int) -> None:
         """Hold the watched draft against committed ``tokens``, the first of
         them the request's ``start``-th; the request learns from each."""
-        d = self._draft
-        for i, t in enumerate(tokens, start - self._at):
-            if i < self._seen:
-                continue
+        d, base = self._draft, start - self._at
+        lo = i = max(self._seen, base)
+        end = min(len(d), base + len(tokens))
+        while i < end and d.tokens[i] == tokens[i - base]:
+            i += 1
+        if i < end:  # token i failed
+            self.trust.held(d.probs, lo, i + 1, False, d.source, d.tree_len)
             self._seen = i + 1
-            ok = d.tokens[i] == t
-            self.trust.held(d.probs, i, ok, d.source, d.tree_len)
-            if not ok:
-                return self._settle_watch()
-            self._held = i + 1
-            if self._held == len(d):
-                return self._settle_watch()
+        elif i > lo:
+            self.trust.held(d.probs, lo, i, True, d.source, d.tree_len)
+            self._seen = i
+        if i > lo:
+            self._held = i
+        if i < end or self._held == len(d):
+            self._settle_watch()
 
     def _settle_watch(self) -> None:
         """The watched draft is done with (it failed, ended, or a new one

@@ -621,11 +621,10 @@ def test_a_request_earns_no_more_trust_than_the_pool():
 
     quantized_cpu = VerifyCost({1: 1.0, 2: 1.85, 6: 5.54, 13: 10.5, 24: 19.4, 457: 279.0})
     c, trust = Calibration(), RequestTrust()
-    for i in range(2):
-        trust.held([1.0, 1.0], i, True, "copy")
+    trust.held([1.0, 1.0], 0, 2, True, "copy")
     flat = [1.0] * 58
     assert c.scale(flat, 8, "copy", trust=trust) == pytest.approx(c.scale(flat, 8, "copy"))
     assert best_length(c.scale(flat, 8, "copy", trust=trust), quantized_cpu) <= 2
     # Failures still cut it, below the pool's.
-    trust.held([1.0, 1.0], 1, False, "copy")
+    trust.held([1.0, 1.0], 1, 2, False, "copy")
     assert c.scale(flat, 8, "copy", trust=trust)[1] < c.scale(flat, 8, "copy")[1]

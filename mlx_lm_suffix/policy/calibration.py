@@ -180,17 +180,29 @@ class Calibration:
         if not probs:
             return
         cells = self._cells(len(probs), match_len, source, tree_len, tree_match)
-        self._add(("first", *cells[0]), probs[0], min(accepted, 1))
-        # The steps reached: each after a run of accepted tokens.
-        for i, step in enumerate(_steps(probs)[:accepted], 1):
-            self._add(("tail", *cells[i]), step, int(accepted > i))
+        self._add(("first", *cells[0]), (probs[0],), (min(accepted, 1),))
+        # The steps reached, each after a run of accepted tokens (token i's
+        # is steps[i - 1]); all but a rejected last one accepted.
+        steps = _steps(probs)[:accepted]
+        held = [1] * len(steps)
+        if steps and len(steps) == accepted:
+            held[-1] = 0
+        i = 0
+        while i < len(steps):  # (a run of steps in one cell at a time)
+            cell, j = cells[i + 1], i + 1
+            while j < len(steps) and cells[j + 1] == cell:
+                j += 1
+            self._add(("tail", *cell), steps[i:j], held[i:j])
+            i = j
 
-    def _add(self, cell: tuple, expected: float, accepted: float) -> None:
+    def _add(self, cell: tuple, expected: Sequence[float], accepted: Sequence[float]) -> None:
+        """Tokens with these estimates, accepted or not, one after another."""
         for key in (cell, self._pool(cell)):
-            e = self.expected.get(key, 0.0) + expected
-            a = self.accepted.get(key, 0.0) + accepted
-            if e > self.FORGET_AFTER:
-                e, a = e * 0.5, a * 0.5
+            e, a = self.expected.get(key, 0.0), self.accepted.get(key, 0.0)
+            for x, y in zip(expected, accepted):
+                e, a = e + x, a + y
+                if e > self.FORGET_AFTER:
+                    e, a = e * 0.5, a * 0.5
             self.expected[key], self.accepted[key] = e, a
 
     def ratios(self) -> Dict[str, Dict[str, Dict[str, float]]]:
@@ -283,24 +295,24 @@ class RequestTrust:
         a, e = self.counts.get((part, source), (0.0, 0.0))
         return min(pooled, (a + self.PRIOR * pooled) / (e + self.PRIOR))
 
-    def held(self, probs: Sequence[float], i: int, ok: bool, source: str = "tree",
-             tree_len: int = 0) -> None:
-        """Token ``i`` of a draft with these raw estimates, reached (every
-        token before it held), held (``ok``) or not; a copy's first
+    def held(self, probs: Sequence[float], start: int, end: int, ok: bool,
+             source: str = "tree", tree_len: int = 0) -> None:
+        """Tokens ``start`` to ``end - 1`` of a draft with these raw
+        estimates, reached one after another (every token before each
+        held): all held but the last, which held if ``ok``; a copy's first
         ``tree_len`` tokens came from the trees."""
-        src = "tree" if source == "copy" and i < tree_len else source
-        if i == 0:
-            self._add(("first", src), probs[0], ok)
-        else:
-            q = probs[i - 1]
-            self._add(("tail", src), min(1.0, probs[i] / q) if q > 0 else 0.0, ok)
-
-    def _add(self, key: Tuple[str, str], expected: float, accepted: float) -> None:
-        c = self.counts.setdefault(key, [0.0, 0.0])
-        c[0] += accepted
-        c[1] += expected
-        if c[1] > self.HORIZON:
-            c[0], c[1] = c[0] * 0.5, c[1] * 0.5
+        for i in range(start, end):
+            src = "tree" if source == "copy" and i < tree_len else source
+            if i == 0:
+                key, e = ("first", src), probs[0]
+            else:
+                q, p = probs[i - 1], probs[i]
+                key, e = ("tail", src), (p / q if p < q else 1.0) if q > 0 else 0.0
+            c = self.counts.setdefault(key, [0.0, 0.0])
+            c[0] += ok or i < end - 1
+            c[1] += e
+            if c[1] > self.HORIZON:
+                c[0], c[1] = c[0] * 0.5, c[1] * 0.5
 
 
 def _steps(probs: Sequence[float]) -> List[float]:
