@@ -48,7 +48,7 @@ class PromptCopy:
         grams = zip(*(self.prompt[i:] for i in range(NGRAM)))
         for q, gram in enumerate(grams, NGRAM):
             self._after.setdefault(gram, []).append(q)
-        self._tail: List[int] = []
+        self._tail: tuple = ()  # the output's last NGRAM tokens
         #: The prompt position of the next token while the output copies.
         self.pointer: Optional[int] = None
         #: Output tokens matched in a row at the pointer (the join's included).
@@ -62,8 +62,7 @@ class PromptCopy:
         prompt = self.prompt
         for t in tokens:
             t = int(t)
-            self._tail.append(t)
-            del self._tail[:-NGRAM]
+            self._tail = (*self._tail, t)[-NGRAM:]
             p = self.pointer
             if p is not None and p < len(prompt) and prompt[p] == t:
                 self.pointer, self.run = p + 1, self.run + 1
@@ -75,7 +74,7 @@ class PromptCopy:
             self.run = NGRAM if self.pointer is not None else 0
 
     def _join(self) -> Optional[int]:
-        after = self._after.get(tuple(self._tail[-NGRAM:]))
+        after = self._after.get(self._tail)
         if not after:
             return None
         if self._left is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 from .copying import PromptCopy
@@ -81,7 +81,10 @@ class Draft:
         drafts are not changed once proposed)."""
         if n >= len(self.tokens):
             return self
-        return replace(self, tokens=self.tokens[:n], probs=self.probs[:n]) if n > 0 else Draft()
+        if n <= 0:
+            return Draft()
+        return Draft(self.tokens[:n], self.probs[:n], self.match_len, self.source, self.tree_len,
+                     self.tree_match, self.trust)
 
     def after(self, n: int, limit: int) -> "Draft":
         """The rest of the draft once its first ``n`` tokens are committed
@@ -89,20 +92,22 @@ class Draft:
         ``n`` tokens longer."""
         q = self.probs[n - 1] if n else 1.0
         end = n + limit
-        return replace(
-            self,
-            tokens=self.tokens[n:end],
-            probs=[min(1.0, p / q) if q > 0 else 0.0 for p in self.probs[n:end]],
-            match_len=self.match_len + n,
-            tree_len=max(0, self.tree_len - n),
-            tree_match=self.tree_match + n,
+        rest = self.probs[n:end]
+        return Draft(
+            self.tokens[n:end],
+            [p / q if p < q else 1.0 for p in rest] if q > 0 else [0.0] * len(rest),
+            self.match_len + n,
+            self.source,
+            max(0, self.tree_len - n),
+            self.tree_match + n,
+            self.trust,
         )
 
 
 @dataclass
 class _Request:
     scope: Hashable
-    context: List[int]  # the last tokens, to match in the trees
+    context: List[int]  # the last max_tree_depth tokens, to match in the trees
     copy: PromptCopy
     response: List[int]  # what the global tree gets: the prompt's tail, then the output
     planted: int  # how many of them the trees have
@@ -286,8 +291,7 @@ class SuffixDrafter:
             req.context.extend(tokens)
             req.copy.feed(tokens)
             self.stats.tokens += len(tokens)
-            if len(req.context) > 2 * self.max_tree_depth:
-                del req.context[: -self.max_tree_depth]
+            del req.context[: -self.max_tree_depth]
             if grow:
                 self._trees.extend(req_id, req.scope, req.unplanted())
 
@@ -314,17 +318,15 @@ class SuffixDrafter:
         with self._lock:
             req = self._active[req_id]
             tokens, probs, match = self._trees.draft(
-                req_id, req.scope, req.context[-self.max_tree_depth :], limit,
+                req_id, req.scope, req.context, limit,
                 self.max_spec_factor, self.max_spec_offset, self.min_token_prob,
             )
-            draft = Draft(tokens[:limit], probs[:limit], match)
             copy, run = req.copy.propose(limit), req.copy.run
-        n = len(draft)
-        if len(copy) <= n or copy[:n] != draft.tokens:
-            return draft
-        p = draft.probs[-1] if n else COPY_PROB
-        probs = draft.probs + [p] * (len(copy) - n)
-        return Draft(copy, probs, max(match, run), "copy", n, match)
+        n = len(tokens)
+        if len(copy) <= n or copy[:n] != tokens:
+            return Draft(tokens, probs, match)  # (the trees draft at most ``limit``)
+        p = probs[-1] if n else COPY_PROB
+        return Draft(copy, probs + [p] * (len(copy) - n), max(match, run), "copy", n, match)
 
     def finish(self, req_id: int) -> None:
         """Stop a request. Its response stays in the global cache until evicted.

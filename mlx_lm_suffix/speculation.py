@@ -56,11 +56,12 @@ class Row:
     drafting), the tokens it may emit in all (``max_tokens``), and its counts
     (``usage``), which the drafter's totals follow.
 
-    A row hands its emitted tokens and plain steps to the drafter in bulk:
-    when it walks the drafter's trees, while a verification's forward runs
-    (:meth:`grow`), every :data:`FLUSH` plain steps (so that other requests
-    in flight draft from it), and when it finishes (:meth:`finish`); a
-    plain step itself costs a list append. The drafter's trees get the
+    A row hands its emitted tokens to the drafter in bulk: when it walks
+    the drafter's trees, while a verification's forward runs (:meth:`grow`),
+    every :data:`FLUSH` plain steps (so that other requests in flight draft
+    from it), and when it finishes (:meth:`finish`); its plain steps and
+    host time go with its next counts (:meth:`count`), at the latest as
+    often. A plain step itself costs a list append. The drafter's trees get the
     tokens only while a forward runs: a walk between a forward's result and
     the next forward (settled) hands the drafter its context alone.
 
@@ -120,18 +121,19 @@ class Row:
         k = self.cap(room, settled)
         if self.req is None or k < shortest(settled):
             return Draft()
-        if self._following() and len(self._draft) - self._held >= max(shortest(settled), k // 2):
-            return self._draft.after(self._held, k)
+        if self._draft is not None:
+            if self._following() and len(self._draft) - self._held >= max(shortest(settled), k // 2):
+                return self._draft.after(self._held, k)
+            self._settle_watch()
         if self._skip:
             self._skip -= 1
             return Draft()
-        self._settle_watch()
         tic = time.perf_counter()
         self._flush(grow=not settled)
         draft = self.drafter.propose(self.req, k)
         self._host += time.perf_counter() - tic
         draft.trust = self.trust
-        if draft:
+        if draft.tokens:
             self._draft, self._at = draft, self.emitted + self.ahead
             self._seen = self._held = 0
             self._pipelined = not settled
@@ -162,14 +164,17 @@ class Row:
 
     def stepped(self, token: int) -> None:
         """A plain step emitted the pending ``token``: one forward."""
-        if not self.ahead:
-            self._commit((token,), self.emitted)
+        if not self.ahead and self.req is not None:  # (as _commit, for one token)
+            self._tokens.append(token)
+            if self._draft is not None:
+                self._watch((token,), self.emitted)
         self.ahead = False
         self.emitted += 1
         self.usage.steps += self.req is not None
         self._steps += 1
-        if len(self._tokens) >= FLUSH:
+        if len(self._tokens) >= FLUSH or self._steps >= FLUSH:
             self._flush()
+            self.count(steps=0)
 
     def emit(self, tokens: Sequence[int], drafted: int = 0) -> None:
         """``tokens`` are emitted in order, the pending token first;
@@ -197,8 +202,8 @@ class Row:
             self._flush()
 
     def _flush(self, grow: bool = True) -> None:
-        """Hand the committed tokens and plain steps to the drafter (its
-        trees get the tokens unless ``grow`` is False)."""
+        """Hand the committed tokens to the drafter (its trees get them
+        unless ``grow`` is False)."""
         if self._tokens:
             self.drafter.commit(self.req, self._tokens, grow)
             self._tokens = []
@@ -206,15 +211,13 @@ class Row:
         elif grow and self._ungrown:
             self.drafter.grow(self.req)
             self._ungrown = False
-        if self._steps:
-            self.count(steps=self._steps, counted=True)
-            self._steps = 0
 
     def finish(self) -> None:
         """The row is done: the drafter gets the rest of it, and the request
         stops (its response stays in the global cache)."""
         if self.req is not None:
             self._flush()
+            self.count(steps=0)
             self.drafter.finish(self.req)
             self.req = None
 
@@ -264,18 +267,18 @@ class Row:
         self.usage.accepted -= drafted
 
     def count(self, drafted: int = 0, accepted: int = 0, steps: int = 1,
-              draft: Optional[Draft] = None, counted: bool = False) -> None:
+              draft: Optional[Draft] = None) -> None:
         """Count ``steps`` forwards that verified ``drafted`` tokens of
         ``draft`` and accepted ``accepted`` of them (the drafter learns from
-        the draft's estimates); ``counted``: in the usage already."""
+        the draft's estimates); the drafter also gets the plain steps and
+        host time not handed to it yet."""
         if self.req is None:
             return
-        if not counted:
-            self.usage.steps += steps
+        self.usage.steps += steps
         self.usage.drafted += drafted
         self.usage.host_s += self._host
-        self.drafter.record(drafted, accepted, steps, draft, self._host)
-        self._host = 0.0
+        self.drafter.record(drafted, accepted, steps + self._steps, draft, self._host)
+        self._steps, self._host = 0, 0.0
 
     def paid(self, width: int, emitted: int) -> None:
         """A forward of ``width`` tokens emitted ``emitted`` (``0, 0``: a

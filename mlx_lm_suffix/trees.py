@@ -163,8 +163,9 @@ class SuffixTrees:
         knobs = (limit, factor, offset, min_prob, False)
         own = cache._local_trees[req_id].speculate(context, *knobs)
         other = cache._global_tree.speculate(context, *knobs)
-        d = own if (own.match_len, own.score) >= (other.match_len, other.score) else other
-        return list(d.token_ids), list(d.probs), int(d.match_len)
+        mine, theirs = own.match_len, other.match_len
+        d = own if mine > theirs or (mine == theirs and own.score >= other.score) else other
+        return d.token_ids, d.probs, d.match_len  # (new lists each read)
 
     def draft(self, req_id: int, scope: Hashable, context: List[int], limit: int,
               factor: float, offset: float, min_prob: float) -> Tuple[List[int], List[float], int]:
@@ -182,8 +183,10 @@ class SuffixTrees:
         length read as LONG_MATCH; where the first draft goes on from it,
         the rest is kept, estimated no higher."""
         tokens, probs, match = self.speculate(req_id, scope, context, limit, factor, offset, min_prob)
+        if not tokens or not LONG_MATCH // 3 <= match < LONG_MATCH:
+            return tokens, probs, match
         n = int(min(limit, LONG_MATCH * factor + offset))
-        if n <= 0 or not tokens or not LONG_MATCH // 3 <= match < LONG_MATCH:
+        if n <= 0:
             return tokens, probs, match
         # Only a match of LONG_MATCH tokens or more allows a token.
         deep, far, _ = self.speculate(req_id, scope, context[-LONG_MATCH - 1 :], n, float(n),
