@@ -131,13 +131,15 @@ class Row:
         tic = time.perf_counter()
         self._flush(grow=not settled)
         draft = self.drafter.propose(self.req, k)
-        self._host += time.perf_counter() - tic
+        took = time.perf_counter() - tic
+        self._host += took
         draft.trust = self.trust
         if draft.tokens:
             self._draft, self._at = draft, self.emitted + self.ahead
             self._seen = self._held = 0
             self._pipelined = not settled
         else:
+            self.drafter.policy.observe_host(took)
             self._found(False)
         return draft
 

@@ -8,7 +8,9 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from mlx_lm_suffix.batch import SuffixBatchGenerator
+from mlx_lm_suffix.drafter import Draft, SuffixDrafter
 from mlx_lm_suffix.loop import suffix_generate_step
+from mlx_lm_suffix.policy.cost import VerifyCost
 from mlx_lm_suffix.speculation import Row
 from mlx_lm_suffix.tools.bench import OracleDrafter
 from mlx_lm_suffix.tools.simulate import Record, replay
@@ -219,6 +221,27 @@ def test_host_work_and_waits_are_counted(setting):
     assert snap["waits"] > 0 and snap["idle_s"] > 0 and snap["host_s"] > 0
     assert snap["host_us_per_step"] == pytest.approx(1e6 * snap["host_s"] / snap["steps"])
     assert snap["idle_us_per_wait"] == pytest.approx(1e6 * snap["idle_s"] / snap["waits"])
+
+
+def test_a_request_whose_walks_find_nothing_skips_them(setting):
+    """A walk of the trees that finds nothing costs host time too: the
+    policy learns it from such walks as from drafts, so a request whose
+    text repeats nothing walks on a fraction of its steps
+    (:meth:`~mlx_lm_suffix.policy.rules.Policy.skips`), not on every one."""
+    _, prompt, ref = setting
+
+    class Nothing(SuffixDrafter):
+        walks = 0
+
+        def propose(self, req_id, max_tokens=None):
+            self.walks += 1
+            return Draft()
+
+    # Steps of 10 us: any walk costs more than 1% of one.
+    drafter = Nothing(cost=VerifyCost({1: 1e-5, 2: 1.2e-5, 64: 6e-5}))
+    replay(drafter, Record(prompt, ref[: 2 * MAX_TOKENS]), step_seconds=1e-5)
+    steps = drafter.stats.steps
+    assert steps >= 2 * MAX_TOKENS - 1 and drafter.walks <= steps // 4, (drafter.walks, steps)
 
 
 def test_a_verification_grows_the_trees_while_its_forward_runs(setting, monkeypatch):

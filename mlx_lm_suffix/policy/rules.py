@@ -234,11 +234,13 @@ class Policy:
         either.)"""
         return self.stats.idle_s / self.stats.waits if self.stats.waits else 0.0
 
-    def observe_host(self, seconds: float, rows: int = 1) -> None:
-        """A proposal and its cut took ``seconds`` of host time, in a step
-        of ``rows`` rows."""
+    def observe_host(self, seconds: float, rows: Optional[int] = None) -> None:
+        """A proposal took ``seconds`` of host time: a draft's, its cut
+        included, in a step of ``rows`` rows, or a walk of the trees that
+        found nothing (``rows`` None: as the last step's)."""
         self.propose_s += (seconds - self.propose_s) * (0.1 if self.propose_s else 1.0)
-        self.rows = rows
+        if rows is not None:
+            self.rows = rows
 
     def skips(self) -> int:
         """The most steps a request whose proposals find nothing skips
