@@ -280,7 +280,7 @@ class SuffixGenerationBatch(GenerationBatch):
     def replays(self, width: int) -> bool:
         return rollback.replays(self.prompt_cache, width)
 
-    def verify(self, inputs: List[List[int]], busy: Callable[[], None]) -> List[List[int]]:
+    def verify(self, inputs: List[List[int]]) -> None:
         """One forward over every row's inputs, right-padded to the longest;
         logits processors run per position over the row's tokens so far,
         and each row samples all its positions."""
@@ -302,10 +302,13 @@ class SuffixGenerationBatch(GenerationBatch):
             sampling.sample(s or self.fallback_sampler, lp)[0] for s, lp in zip(samplers, logprobs)
         ])
         mx.async_eval(sampled, logprobs)
-        busy()
-        mx.eval(sampled, logprobs)
-        self.policy.observe(padded.size, time.perf_counter() - tic, rows=len(inputs))
         self._verified = (tic, saved, inputs, sampled, logprobs)
+
+    def verified(self) -> List[List[int]]:
+        tic, _, inputs, sampled, logprobs = self._verified
+        mx.eval(sampled, logprobs)
+        width = max(map(len, inputs))
+        self.policy.observe(width * len(inputs), time.perf_counter() - tic, rows=len(inputs))
         return sampled.tolist()
 
     def keep(self, accepted: List[int], first: List[int]) -> None:

@@ -4,8 +4,8 @@
 ``speculative_generate_step`` (it yields ``(token, logprobs, from_draft)``)
 and takes the keyword arguments of ``generate_step``, whose prefill it runs.
 It steps one row through :func:`~mlx_lm_suffix.speculation.stepping`,
-yielding each token as soon as the forward after it is queued, as stock's
-step does;
+yielding each token once a forward after it is queued, as stock's step
+does (a verification's tokens while the next forward runs);
 :class:`_Single` is its driver: the model's forwards on the request's cache,
 its positions scored as stock scores them (:mod:`~mlx_lm_suffix.sampling`),
 rejected positions undone by :mod:`~mlx_lm_suffix.rollback`.
@@ -154,8 +154,12 @@ class _Single:
         # after, what taking back its emitted tokens needs.
         self._verified: Any = None
         # When the last plain step's token was ready (None: the next plain
-        # step follows something else, so it is not timed).
+        # step follows something else, so it is not timed); when the
+        # verification queued and not read yet was built, and what reading
+        # it or taking it back needs.
         self.plain_at: Optional[float] = None
+        self.verify_at: Optional[float] = None
+        self._queued: Any = None
 
     def forward(self, inputs: mx.array, quantize: bool = True, single: bool = False
                 ) -> Tuple[mx.array, mx.array, Any]:
@@ -205,17 +209,21 @@ class _Single:
         self.out.append((t, logprobs[0], False))
         self.rows[0].stepped(t)
 
-    def verify(self, inputs: List[List[int]], busy: Callable[[], None]) -> List[List[int]]:
+    def verify(self, inputs: List[List[int]]) -> None:
         self.plain_at = None
         tokens = mx.array(inputs[0], mx.uint32)
         saved = rollback.checkpoint(self.cache)
-        tic = time.perf_counter()
+        self.verify_at = time.perf_counter()
         y, logprobs, states = self.forward(tokens, quantize=False)
         mx.async_eval(y)
-        busy()
+        self._queued = (saved, tokens, inputs[0], y, logprobs, states)
+
+    def verified(self) -> List[List[int]]:
+        saved, tokens, fed, y, logprobs, states = self._queued
         targets = y.tolist()
-        self.policy.observe(tokens.size, time.perf_counter() - tic)
-        self._verified = (saved, tokens, inputs[0], logprobs, targets, states)
+        self.policy.observe(tokens.size, time.perf_counter() - self.verify_at)
+        self._queued = self.verify_at = None
+        self._verified = (saved, tokens, fed, logprobs, targets, states)
         return [targets]
 
     def keep(self, accepted: List[int], first: List[int]) -> None:
@@ -265,10 +273,23 @@ class _Single:
             return kept.size
         return n - rejected
 
+    def away(self, seconds: float) -> None:
+        """The consumer held the loop for ``seconds``: not a forward's time
+        (the plain step's or the queued verification's being timed)."""
+        if self.plain_at is not None:
+            self.plain_at += seconds
+        if self.verify_at is not None:
+            self.verify_at += seconds
+
     def take_back(self, unyielded: List[Tuple[int, mx.array, bool]]) -> None:
         """The consumer stopped before the ``unyielded`` emitted tokens:
         they leave the cache (they are the last verification's) and the
-        row's counts."""
+        row's counts, and so does a verification queued after them (its
+        every position)."""
+        if self._queued is not None:
+            saved, tokens = self._queued[:2]
+            rollback.undo(self.cache, saved, tokens.size, tokens.size)
+            self._queued = None
         n = len(unyielded)
         if n:
             saved, since, kept = self._verified
@@ -353,8 +374,11 @@ def _draft_limit(drafter: SuffixDrafter, model: nn.Module, cache: List[Any],
 
 def _run(driver: _Single, limit: float) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Step the driver's row until it has emitted ``limit`` tokens, yielding
-    each emitted token as soon as the step has queued the forward after it
-    (:func:`~mlx_lm_suffix.speculation.stepping`), else after the step; a
+    the emitted tokens at the steps' pauses
+    (:func:`~mlx_lm_suffix.speculation.stepping`): a plain step's token once
+    the forward after it is queued, as stock's step does, and a
+    verification's tokens once the next forward is (or, where the next step
+    drafts nothing, before its plain forward); the last ones at the end. A
     consumer that stops takes back what it was not given
     (:meth:`_Single.take_back`)."""
     row, settled = driver.rows[0], False
@@ -368,14 +392,14 @@ def _run(driver: _Single, limit: float) -> Generator[Tuple[int, mx.array, bool],
                 settled = done.value
                 break
             yield from _hand_out(driver)
-        yield from _hand_out(driver)
         if before // 256 != row.emitted // 256:
             mx.clear_cache()
+    yield from _hand_out(driver)
 
 
 def _hand_out(driver: _Single) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Yield the driver's emitted tokens (the consumer's time kept out of
-    the plain step's timing)."""
+    the forwards' timing: :meth:`_Single.away`)."""
     out, driver.out = driver.out, []
     for i, item in enumerate(out):
         try:
@@ -384,8 +408,7 @@ def _hand_out(driver: _Single) -> Generator[Tuple[int, mx.array, bool], None, No
         except GeneratorExit:
             driver.take_back(out[i + 1 :])
             raise
-        if driver.plain_at is not None:
-            driver.plain_at += time.perf_counter() - yielded
+        driver.away(time.perf_counter() - yielded)
 
 
 def _check_prompt(prompt: mx.array) -> None:

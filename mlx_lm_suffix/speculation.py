@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Generator, List, Optional, Protocol, Sequence, Tuple
+from typing import Generator, List, Optional, Protocol, Sequence, Tuple
 
 from . import ranks
 from .drafter import Draft, SuffixDrafter
@@ -313,13 +313,16 @@ class Driver(Protocol):
         """Each row emits its pending token (:meth:`Row.stepped`) and the
         forward after them is queued; rows that finish leave."""
 
-    def verify(self, inputs: List[List[int]], busy: Callable[[], None]) -> List[List[int]]:
-        """One forward over each row's ``inputs``: the tokens sampled after
-        each of them; ``busy`` is called once the forward is queued, before
-        its result is read (host work that does not need it)."""
+    def verify(self, inputs: List[List[int]]) -> None:
+        """Queue one forward over each row's ``inputs`` (:meth:`verified`
+        reads it; host work that does not need its result runs between)."""
+
+    def verified(self) -> List[List[int]]:
+        """The tokens sampled after each input of the forward
+        :meth:`verify` queued."""
 
     def keep(self, accepted: List[int], first: List[int]) -> None:
-        """After :meth:`verify`: row ``i`` keeps its first ``1 + accepted[i]``
+        """After :meth:`verified`: row ``i`` keeps its first ``1 + accepted[i]``
         inputs (emitted with :meth:`Row.emit`, ``first[i]`` of them a draft
         token confirmed before and ``accepted[i]`` accepted ones), the rest
         leave its cache, and the token sampled after them is its pending
@@ -433,13 +436,19 @@ def accept(row: Row, draft: Draft, first: int, targets: Sequence[int]) -> int:
 
 
 def _verify(driver: Driver, pending: Sequence[int], drafts: List[Draft], first: int,
-            idle: float) -> None:
-    """Verify the drafts (``pending``: each row's first input); ``idle``:
-    when the device last waited for the host."""
+            idle: float) -> Generator[None, None, None]:
+    """Verify the drafts (``pending``: each row's first input), pausing
+    once the forward is queued and the rows' trees have grown (the driver
+    may hand out what its rows emitted before); ``idle``: when the device
+    last waited for the host."""
     rows = driver.rows
     inputs = [[p] + d.tokens[first:] for p, d in zip(pending, drafts)]
     _idle(driver, idle)
-    targets = driver.verify(inputs, lambda: [r.grow() for r in rows])
+    driver.verify(inputs)
+    for r in rows:
+        r.grow()
+    yield
+    targets = driver.verified()
     result = time.perf_counter()
     accepted = [accept(r, d, first, t) for r, d, t in zip(rows, drafts, targets)]
     driver.keep(accepted, [first if d else 0 for d in drafts])
@@ -468,11 +477,13 @@ def step(driver: Driver, settled: bool, budget: Optional[float] = None) -> bool:
 def stepping(driver: Driver, settled: bool, budget: Optional[float] = None
              ) -> Generator[None, None, bool]:
     """One step of the driver's rows (see the module docstring), pausing
-    once a plain forward is queued (while it runs, the driver may hand out
-    the tokens its rows emitted so far, as stock's step yields its token);
-    returns whether their pending tokens are known after it and nothing
-    computes. ``budget``: the most seconds the step may take beyond a plain
-    step."""
+    once a forward is queued (while it runs, the driver may hand out the
+    tokens its rows emitted so far, as stock's step yields its token), and
+    before a plain forward that follows a settled proposal (then nothing
+    computes: the last step's tokens are handed out before the forward
+    that emits the next); returns whether their pending tokens are known
+    after it and nothing computes. ``budget``: the most seconds the step
+    may take beyond a plain step."""
     early: Optional[List[Draft]] = None
     rows = driver.rows
     if settled and len(rows) == 1:
@@ -483,9 +494,10 @@ def stepping(driver: Driver, settled: bool, budget: Optional[float] = None
         rows[0].commit_ahead(pending[0])
         early, drafts = _drafts(rows, driver, True, budget)
         if any(drafts):
-            _verify(driver, pending, drafts, 0, since)
+            yield from _verify(driver, pending, drafts, 0, since)
             return True
         _idle(driver, since)
+        yield
     driver.plain()
     yield
     if driver.rows != rows:  # rows finished: their drafts go with them
@@ -506,7 +518,7 @@ def stepping(driver: Driver, settled: bool, budget: Optional[float] = None
         # One width for the batch: chosen again for the confirmed drafts.
         confirmed = cut(confirmed, driver, False, budget)
     if any(confirmed):
-        _verify(driver, sampled, confirmed, 1, since)
+        yield from _verify(driver, sampled, confirmed, 1, since)
     else:
         _idle(driver, since)
     return True

@@ -330,6 +330,61 @@ def _forwards_after_a_miss(model, prompt, policy):
     return yielded, calls
 
 
+def test_a_verifications_tokens_are_yielded_while_the_next_one_runs(model_and_tokenizer):
+    """As stock's step yields a token once the forward after it is queued,
+    a verification's tokens are yielded once the next forward is queued
+    (the consumer's work overlaps it), and no later: when a forward is
+    queued, the consumer lacks at most the last verification's tokens of
+    those in the cache, and none when it is a plain one. Outputs are
+    stock's."""
+    model, tokenizer = model_and_tokenizer
+    prompt = _prompts(tokenizer, 2)[1]
+    ref = _stock(model, prompt, max_tokens=40)
+    drafter = SuffixDrafter(policy="fixed")
+    _suffix(model, prompt, drafter, max_tokens=40)  # the repeat drafts from it
+    yielded, calls = [], []
+
+    class Spy(_Wrapper):
+        def __call__(self, inputs, cache=None, **kw):
+            calls.append((inputs.shape[1], cache[0].offset - len(prompt) - len(yielded)))
+            return self.inner(inputs, cache=cache, **kw)
+
+    gen = suffix_generate_step(mx.array(prompt), Spy(model), drafter, max_tokens=40,
+                               num_draft_tokens=4)
+    for t, _, _ in gen:
+        yielded.append(t)
+    assert yielded == ref
+    steps = calls[2:]  # (after mlx-lm's prefill)
+    assert sum(width > 1 for width, _ in steps) > 4, calls
+    assert max(behind for _, behind in steps) > 0, calls
+    assert all(behind <= (5 if width > 1 else 0) for width, behind in steps), calls
+
+
+def test_the_consumers_time_is_not_a_forwards(model_and_tokenizer, monkeypatch):
+    """Tokens are yielded while forwards run (plain steps' and
+    verifications'), but the time the consumer holds the loop is not theirs:
+    with a consumer that takes an hour a token (on the loop's clock), every
+    forward the policy learns from took milliseconds."""
+    import time
+    import types
+
+    from mlx_lm_suffix import loop
+
+    model, tokenizer = model_and_tokenizer
+    prompt = _prompts(tokenizer, 2)[1]
+    drafter = SuffixDrafter(cost=VerifyCost({1: 1e-3, 2: 1.2e-3, 64: 8e-3}))
+    _suffix(model, prompt, drafter, max_tokens=40)  # the repeat drafts from it
+    skew = [0.0]
+    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + skew[0])
+    monkeypatch.setattr(loop, "time", clock)
+    seen, observe = [], drafter.policy.observe
+    monkeypatch.setattr(drafter.policy, "observe", lambda n, s, **kw: (seen.append((n, s)),
+                                                                       observe(n, s, **kw)))
+    for _ in suffix_generate_step(mx.array(prompt), model, drafter, max_tokens=40):
+        skew[0] += 3600.0
+    assert sum(n > 1 for n, _ in seen) > 1 and all(s < 1.0 for _, s in seen), seen
+
+
 def test_adaptive_verifies_the_missed_token_with_the_next_draft(model_and_tokenizer):
     """After the plain forward rejects a pipelined draft, the token it gave is
     known: the loop drafts after it and verifies both in one forward."""
@@ -357,11 +412,17 @@ def test_cache_holds_exactly_prompt_plus_yielded_tokens(model_and_tokenizer):
     _suffix(model, prompt, warm, max_tokens=40)
     flags = [f for _, _, f in suffix_generate_step(mx.array(prompt), model, warm, max_tokens=40)]
     mid_draft = next(i + 1 for i in range(39) if flags[i] and flags[i + 1])
-    for stop_after in (3, 17, 40, mid_draft):
+    # Cold at a few places, warm mid-draft; and warm with 4-token drafts at
+    # every place (their verifications follow one another, and each one's
+    # tokens are yielded while the next one's forward is queued: stopping
+    # there takes back that forward too).
+    cases = [(k, None, 64) for k in (3, 17, 40)] + [(mid_draft, warm, 64)]
+    cases += [(k, warm, 4) for k in range(1, 41)]
+    for stop_after, drafter, k in cases:
         cache = [KVCache() for _ in model.layers]
-        drafter = warm if stop_after == mid_draft else SuffixDrafter(policy="fixed")
         gen = suffix_generate_step(
-            mx.array(prompt), model, drafter, max_tokens=40, prompt_cache=cache
+            mx.array(prompt), model, drafter or SuffixDrafter(policy="fixed"), max_tokens=40,
+            prompt_cache=cache, num_draft_tokens=k,
         )
         toks = [t for t, _, _ in (next(gen) for _ in range(stop_after))]
         gen.close()

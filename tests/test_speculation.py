@@ -108,9 +108,9 @@ def test_the_simulator_caps_as_the_loop(setting, monkeypatch):
     _, prompt, ref = setting
     fed, verify = [], simulate._Replay.verify
 
-    def spy(self, inputs, busy):
+    def spy(self, inputs):
         fed.append((self.at, len(inputs[0])))
-        return verify(self, inputs, busy)
+        return verify(self, inputs)
 
     monkeypatch.setattr(simulate._Replay, "verify", spy)
     drafter = _oracle(ref)
@@ -245,27 +245,29 @@ def test_a_request_whose_walks_find_nothing_skips_them(setting):
 
 
 def test_a_verification_grows_the_trees_while_its_forward_runs(setting, monkeypatch):
-    """Tokens committed since the last forward reach the drafter's trees in
-    the verification's ``busy`` call (queued, not yet read), not in the walk
-    before it: after a verification's result, a walk hands over the context
-    alone."""
+    """Tokens committed since the last forward reach the drafter's trees
+    while the verification's forward runs (queued, not yet read), not in
+    the walk before it: after a verification's result, a walk hands over
+    the context alone."""
     from mlx_lm_suffix.tools import simulate
 
     _, prompt, ref = setting
-    seen, verify = [], simulate._Replay.verify
+    seen, verify, verified = [], simulate._Replay.verify, simulate._Replay.verified
 
     def ungrown(row):
         req = row.drafter._active[row.req]
         return len(row._tokens) + len(req.response) - 1 - req.planted
 
-    def spy(self, inputs, busy):
-        row = self.rows[0]
-        before = ungrown(row)
-        busy()
-        seen.append((before, ungrown(row)))
-        return verify(self, inputs, lambda: None)
+    def queue(self, inputs):
+        seen.append([ungrown(self.rows[0])])
+        return verify(self, inputs)
 
-    monkeypatch.setattr(simulate._Replay, "verify", spy)
+    def read(self):
+        seen[-1].append(ungrown(self.rows[0]))
+        return verified(self)
+
+    monkeypatch.setattr(simulate._Replay, "verify", queue)
+    monkeypatch.setattr(simulate._Replay, "verified", read)
     drafter = OracleDrafter(num_draft_tokens=3, policy="fixed")
     drafter.set_reference(ref)
     replay(drafter, Record(prompt, ref[: 2 * MAX_TOKENS]))

@@ -290,12 +290,13 @@ class _Replay:
         self.at += 1
         self._queued = True
 
-    def verify(self, inputs: List[List[int]], busy: Callable[[], None]) -> List[List[int]]:
-        busy()
+    def verify(self, inputs: List[List[int]]) -> None:
         self._fed, self._queued, self._plain_run = inputs[0], False, False
         self.total += self.cost(len(self._fed) - 1)
         self._waits()
         self.policy.observe(len(self._fed), self.cost(len(self._fed) - 1) * self.step)
+
+    def verified(self) -> List[List[int]]:
         after = self.response[self.at + 1 : self.at + 1 + len(self._fed)]
         return [after + [-1] * (len(self._fed) - len(after))]
 
