@@ -376,6 +376,12 @@ def test_a_request_verifies_what_its_credit_can_lose():
     sure.trust.credit = 0.5
     assert mid.length(sure, pipelined=False) == 2  # cost(3) - 1 = 0.4
     assert Policy(cost=FLAT).affordable(64, RequestTrust.ALLOWANCE, pipelined=False) == 64
+    # Past the widest forward measured, a forward costs at most proportionally
+    # more: the first-use curve (1 and 2 tokens) lets a credit of 4 plain
+    # steps risk 8 tokens (9 x 1.02 / 2 - 1 = 3.6), not 64 at its 1-2 slope.
+    first = Policy(cost=VerifyCost({1: 1.0, 2: 1.02}))
+    assert first.cost(65) < 2.5 and first.cost.most(65) == pytest.approx(65 * 0.51)
+    assert first.affordable(64, RequestTrust.ALLOWANCE, pipelined=False) == 8
 
 
 def test_a_verification_must_beat_plain_steps_by_the_margin():

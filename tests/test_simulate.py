@@ -199,6 +199,25 @@ def test_a_request_risks_no_more_than_its_credit():
     assert total <= len(record.response) + RequestTrust.ALLOWANCE
 
 
+def test_a_request_risks_no_more_than_its_credit_before_wide_forwards_are_seen():
+    """The curve a model starts with has a 1- and a 2-token point, and past
+    them it errs cheap (here, as a small model's on a CPU, a 65-token
+    forward costs 20 plain steps; the 1-2 slope says 2.3). A request's
+    credit prices a draft at the most its forward may cost: past the widest
+    forward measured, proportionally to it. So a long first draft that
+    fails after its first token (a repeat the answer leaves at once) costs
+    at most the allowance beyond stock's plain steps. (Priced on the curve
+    instead: one 64-token verification, 1 accepted, 19 plain steps lost.)"""
+    true = {1: 1.0, 2: 1.3, 9: 3.4, 17: 5.8, 33: 10.6, 65: 20.2}
+    text = list(range(100, 180))
+    record = Record(text * 3, text[:2] + list(range(500, 580)))
+    step = DEFAULT_STEP_SECONDS
+    drafter = SuffixDrafter(cost=VerifyCost({1: step, 2: 1.02 * step}))
+    total, _ = replay(drafter, record, cost_from_times(true), step)
+    assert drafter.snapshot()["drafted"] > 0
+    assert total <= len(record.response) + RequestTrust.ALLOWANCE, (total, drafter.snapshot()["lengths"])
+
+
 def test_recommend_and_server_command():
     results = simulate(
         CORPUS, {"num_draft_tokens": [16, 2, 8], "max_spec_factor": 1.0, "policy": "fixed"}

@@ -71,6 +71,15 @@ class VerifyCost:
             known = self._costs[n] = self._interpolate(n)
         return known
 
+    def most(self, n: int) -> float:
+        """The most a one-sequence forward of ``n`` tokens may cost: as the
+        curve up to its widest point, past it proportionally more (the
+        envelope's bound; the curve's own estimate there grows as its last
+        segment does, which errs cheap where a forward's cost grows with
+        its tokens, as a small model's on a CPU)."""
+        last = self._sizes[-1]
+        return self(n) if n <= last else self.points[last] * n / last
+
     def _interpolate(self, n: int) -> float:
         sizes, pts = self._sizes, self.points
         if n <= sizes[0]:

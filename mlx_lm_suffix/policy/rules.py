@@ -149,10 +149,13 @@ class Policy:
         one token, as a plain step, for its forward (pipelined, over the
         draft: its first token is confirmed before; settled, over the
         pending token and the draft), the wait after it, and with
-        ``replay`` the forward that feeds that token again."""
+        ``replay`` the forward that feeds that token again. The forward is
+        priced at the most it may cost (:meth:`VerifyCost.most`): past the
+        widest forward measured, the curve is a guess, and the credit bounds
+        a loss, not an expectation."""
         c1 = self.cost(1)
         lost = self.wait_s + (c1 if replay else 0.0)
-        while n and self.cost(n + (not pipelined)) - c1 + lost > credit * c1:
+        while n and self.cost.most(n + (not pipelined)) - c1 + lost > credit * c1:
             n -= 1
         return n
 
