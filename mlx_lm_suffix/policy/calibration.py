@@ -262,8 +262,8 @@ class RequestTrust:
     It also keeps the request's **credit** (``credit``, in plain steps): what
     its verifications and checks have saved against plain steps so far
     (:meth:`paid`), from :data:`ALLOWANCE`. The policy verifies no draft
-    whose failure at its first token would cost more than the credit
-    (:meth:`~mlx_lm_suffix.policy.rules.Policy.length`): estimates are
+    whose failure at its first token could cost more than the credit
+    (:meth:`~mlx_lm_suffix.policy.rules.Policy.affordable`): estimates are
     expectations, and a request can meet its unlikely case, so a request
     risks what its drafts have saved it, and the allowance, not more. It
     starts short where verification is dear (about 4 tokens where a token
