@@ -301,15 +301,18 @@ class RequestTrust:
         estimates, reached one after another (every token before each
         held): all held but the last, which held if ``ok``; a copy's first
         ``tree_len`` tokens came from the trees."""
+        counts, last = self.counts, end - 1
         for i in range(start, end):
             src = "tree" if source == "copy" and i < tree_len else source
-            if i == 0:
-                key, e = ("first", src), probs[0]
-            else:
+            if i:
                 q, p = probs[i - 1], probs[i]
                 key, e = ("tail", src), (p / q if p < q else 1.0) if q > 0 else 0.0
-            c = self.counts.setdefault(key, [0.0, 0.0])
-            c[0] += ok or i < end - 1
+            else:
+                key, e = ("first", src), probs[0]
+            c = counts.get(key)
+            if c is None:
+                c = counts[key] = [0.0, 0.0]
+            c[0] += ok or i < last
             c[1] += e
             if c[1] > self.HORIZON:
                 c[0], c[1] = c[0] * 0.5, c[1] * 0.5
