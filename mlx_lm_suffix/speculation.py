@@ -150,8 +150,10 @@ class Row:
 
     def resting(self) -> bool:
         """Whether the row proposes nothing this step whatever its room: it
-        does not draft, or it skips proposals and follows no draft."""
-        return self.req is None or (self._skip > 0 and not self._following())
+        does not draft (no drafter request, or no draft tokens), or it skips
+        proposals and follows no draft."""
+        return (self.req is None or self.num_draft_tokens <= 0
+                or (self._skip > 0 and not self._following()))
 
     def rest(self) -> None:
         """A step that asked no row for a draft: a skip is counted."""
