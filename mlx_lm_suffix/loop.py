@@ -169,7 +169,7 @@ class _Single:
         one position, one draw, as stock's step). ``quantize``: quantize the
         KV cache where stock would now (a verification does it once its
         rejected positions are gone)."""
-        logits = self.model(inputs[None], cache=self.cache)[0]
+        logits = self.model(inputs[None], cache=self.cache).squeeze(0)  # (cheaper than [0])
         if quantize:
             maybe_quantize_kv_cache(self.cache, *self.kv_quantization)
         if self.processors:
@@ -206,7 +206,7 @@ class _Single:
             self.policy.observe_plain(ready - self.plain_at)
         self.plain_at = ready
         self.fed(1)
-        self.out.append((t, logprobs[0], False))
+        self.out.append((t, logprobs.squeeze(0), False))
         self.rows[0].stepped(t)
 
     def verify(self, inputs: List[List[int]]) -> None:
@@ -235,7 +235,7 @@ class _Single:
         sampling.rewind(states, a + 1)
         self.fed(a + 1)
         emitted = fed[: a + 1]  # (the list: reading ``kept`` would wait for an evaluation)
-        self.out.append((emitted[0], self.logprobs[0], bool(first)))
+        self.out.append((emitted[0], self.logprobs.squeeze(0), bool(first)))
         if a:  # (one split, not an array per index)
             self.out.extend(zip(emitted[1:], mx.split(logprobs[:a].reshape(-1), a), [True] * a))
         self.rows[0].emit(emitted, drafted=a + first)
