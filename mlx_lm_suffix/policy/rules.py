@@ -155,9 +155,14 @@ class Policy:
         a loss, not an expectation."""
         c1 = self.cost(1)
         lost = self.wait_s + (c1 if replay else 0.0)
-        while n and self.cost.most(n + (not pipelined)) - c1 + lost > credit * c1:
-            n -= 1
-        return n
+        lo, hi = 0, n  # (the most a forward costs grows with its tokens: halve)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.cost.most(mid + (not pipelined)) - c1 + lost > credit * c1:
+                hi = mid - 1
+            else:
+                lo = mid
+        return lo
 
     def paid(self, trust: Any, width: int, emitted: int) -> None:
         """A forward of ``width`` tokens that emitted ``emitted`` (``0,
@@ -239,11 +244,16 @@ class Policy:
 
     def observe_host(self, seconds: float, rows: Optional[int] = None) -> None:
         """A proposal took ``seconds`` of host time: a draft's, its cut
-        included, in a step of ``rows`` rows, or a walk of the trees that
-        found nothing (``rows`` None: as the last step's)."""
-        self.propose_s += (seconds - self.propose_s) * (0.1 if self.propose_s else 1.0)
+        included, in a step of ``rows`` rows; or (``rows`` None) a walk of
+        the trees that found nothing, which stands for a proposal only
+        until a draft's time is known (where walks find drafts, a skip
+        saves a draft's walk, cut and check, so :meth:`skips` weighs
+        that)."""
         if rows is not None:
             self.rows = rows
+        elif self.propose_s:
+            return
+        self.propose_s += (seconds - self.propose_s) * (0.1 if self.propose_s else 1.0)
 
     def skips(self) -> int:
         """The most steps a request whose proposals find nothing skips
