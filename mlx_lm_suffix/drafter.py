@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 from .copying import PromptCopy
@@ -81,10 +81,7 @@ class Draft:
         drafts are not changed once proposed)."""
         if n >= len(self.tokens):
             return self
-        if n <= 0:
-            return Draft()
-        return Draft(self.tokens[:n], self.probs[:n], self.match_len, self.source, self.tree_len,
-                     self.tree_match, self.trust)
+        return replace(self, tokens=self.tokens[:n], probs=self.probs[:n]) if n > 0 else Draft()
 
     def after(self, n: int, limit: int) -> "Draft":
         """The rest of the draft once its first ``n`` tokens are committed
@@ -93,14 +90,13 @@ class Draft:
         q = self.probs[n - 1] if n else 1.0
         end = n + limit
         rest = self.probs[n:end]
-        return Draft(
-            self.tokens[n:end],
-            [p / q if p < q else 1.0 for p in rest] if q > 0 else [0.0] * len(rest),
-            self.match_len + n,
-            self.source,
-            max(0, self.tree_len - n),
-            self.tree_match + n,
-            self.trust,
+        return replace(
+            self,
+            tokens=self.tokens[n:end],
+            probs=[p / q if p < q else 1.0 for p in rest] if q > 0 else [0.0] * len(rest),
+            match_len=self.match_len + n,
+            tree_len=max(0, self.tree_len - n),
+            tree_match=self.tree_match + n,
         )
 
 

@@ -168,10 +168,8 @@ class Row:
 
     def stepped(self, token: int) -> None:
         """A plain step emitted the pending ``token``: one forward."""
-        if not self.ahead and self.req is not None:  # (as _commit, for one token)
-            self._tokens.append(token)
-            if self._draft is not None:
-                self._watch((token,), self.emitted)
+        if not self.ahead:
+            self._commit((token,), self.emitted)
         self.ahead = False
         self.emitted += 1
         self.usage.steps += self.req is not None

@@ -163,8 +163,7 @@ class SuffixTrees:
         knobs = (limit, factor, offset, min_prob, False)
         own = cache._local_trees[req_id].speculate(context, *knobs)
         other = cache._global_tree.speculate(context, *knobs)
-        mine, theirs = own.match_len, other.match_len
-        d = own if mine > theirs or (mine == theirs and own.score >= other.score) else other
+        d = own if (own.match_len, own.score) >= (other.match_len, other.score) else other
         return d.token_ids, d.probs, d.match_len  # (new lists each read)
 
     def draft(self, req_id: int, scope: Hashable, context: List[int], limit: int,
