@@ -171,6 +171,8 @@ class SuffixGenerationBatch(GenerationBatch):
         self._settled = False
         # A plain forward is queued (waiting for it checks drafts).
         self._queued = False
+        # The last call ran the next step's plain forward (see ``next``).
+        self._ahead = False
         self._responses: List[GenerationBatch.Response] = []
         self._verified: Any = None
         #: ``budget(joined)``: whether a step must be stock's alone (rows
@@ -178,6 +180,9 @@ class SuffixGenerationBatch(GenerationBatch):
         #: it may take beyond a plain step (None: no limit); set by
         #: :class:`SuffixBatchGenerator`.
         self.budget: Callable[[bool], Tuple[bool, Optional[float]]] = lambda joined: (joined, None)
+        #: Whether prompts are prefilled after this step (each chunk waits for
+        #: it); set by :class:`SuffixBatchGenerator`.
+        self.prefilling: Callable[[], bool] = lambda: False
         self._verify_spans: Deque[Tuple[float, float]] = deque(maxlen=VERIFY_SPANS)
         super().__init__(*args, **kwargs)
         # (Stock's constructor fed the prompts' last tokens: nothing emitted.)
@@ -198,7 +203,7 @@ class SuffixGenerationBatch(GenerationBatch):
     def extend(self, batch: GenerationBatch) -> None:
         n0 = len(self.uids)
         super().extend(batch)
-        self._settled = False
+        self._settled = self._ahead = False
         if isinstance(batch, SuffixGenerationBatch):
             self.rows.extend(batch.rows)
             batch.rows = []  # now owned by self
@@ -244,6 +249,7 @@ class SuffixGenerationBatch(GenerationBatch):
         if not self.uids:
             return []
         settled, self._settled = self._settled, False
+        queued, self._ahead = self._ahead, False
         if not self._can_draft():
             return super().next()
         plain, budget = self.budget(any(row.emitted == 0 for row in self.rows))
@@ -255,12 +261,26 @@ class SuffixGenerationBatch(GenerationBatch):
         policy.ensure_width(self.model, len(self.uids))
         verified = self.draft_stats.verify_steps
         self._responses = []
-        self._settled = speculation.step(self, settled, budget)
+        self._settled = speculation.step(self, settled, budget, queued)
+        verifies = self.draft_stats.verify_steps > verified
         if budget is not None:
-            if self.draft_stats.verify_steps > verified:
+            if verifies:
                 self.draft_stats.prefill_verify_steps += 1
             else:
                 self.draft_stats.yield_steps += 1
+        if not self.uids:
+            return self._responses
+        if queued and not self._responses:
+            # Nothing verified after the forward the last call queued: its
+            # tokens are this call's, as stock's step gives them.
+            self.plain()
+            self._ahead = True
+        elif self._settled and (len(self.rows) > 1 or not verifies) and not self.prefilling():
+            # The next step starts with a plain forward: queued now, as
+            # stock's step returns, it runs while the caller handles these
+            # responses. (One row after a verification drafts first.)
+            self.plain()
+            self._settled, self._ahead = False, True
         return self._responses
 
     # ------------------------------------------------------------ Driver
@@ -433,6 +453,7 @@ class SuffixBatchGenerator(BatchGenerator):
         batch.max_context = context_limit(model)
         batch.draft_stats = self.draft_stats
         batch.budget = self._budget
+        batch.prefilling = lambda: self._prefill_tokens() is not None
         self.requests_waiting = requests_waiting or (lambda: False)
         self._generation_batch = batch
 

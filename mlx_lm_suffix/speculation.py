@@ -464,9 +464,10 @@ def _idle(driver: Driver, since: Optional[float], wait: bool = False) -> None:
         stats.idle_s += time.perf_counter() - since
 
 
-def step(driver: Driver, settled: bool, budget: Optional[float] = None) -> bool:
+def step(driver: Driver, settled: bool, budget: Optional[float] = None,
+         queued: bool = False) -> bool:
     """One step of the driver's rows (:func:`stepping`, run through)."""
-    steps = stepping(driver, settled, budget)
+    steps = stepping(driver, settled, budget, queued)
     try:
         while True:
             next(steps)
@@ -474,8 +475,8 @@ def step(driver: Driver, settled: bool, budget: Optional[float] = None) -> bool:
         return done.value
 
 
-def stepping(driver: Driver, settled: bool, budget: Optional[float] = None
-             ) -> Generator[None, None, bool]:
+def stepping(driver: Driver, settled: bool, budget: Optional[float] = None,
+             queued: bool = False) -> Generator[None, None, bool]:
     """One step of the driver's rows (see the module docstring), pausing
     once a forward is queued (while it runs, the driver may hand out the
     tokens its rows emitted so far, as stock's step yields its token), and
@@ -483,7 +484,9 @@ def stepping(driver: Driver, settled: bool, budget: Optional[float] = None
     computes: the last step's tokens are handed out before the forward
     that emits the next); returns whether their pending tokens are known
     after it and nothing computes. ``budget``: the most seconds the step
-    may take beyond a plain step."""
+    may take beyond a plain step. ``queued``: the step's plain forward is
+    queued already (the driver ran :meth:`Driver.plain` after the last
+    step, which ended settled), so it starts with the drafts."""
     early: Optional[List[Draft]] = None
     rows = driver.rows
     if settled and len(rows) == 1:
@@ -498,8 +501,9 @@ def stepping(driver: Driver, settled: bool, budget: Optional[float] = None
             return True
         _idle(driver, since)
         yield
-    driver.plain()
-    yield
+    if not queued:
+        driver.plain()
+        yield
     if driver.rows != rows:  # rows finished: their drafts go with them
         early, rows = None, driver.rows
     elif early is None and _resting(rows):

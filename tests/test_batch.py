@@ -3,6 +3,7 @@ token against stock mlx-lm's ``batch_generate`` / ``BatchGenerator`` and
 single-sequence greedy generation, on the tiny float32 model."""
 
 import inspect
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -13,7 +14,7 @@ from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 from test_families import _assert_cache_is_fresh_prefill
-from test_loop import WrongFirstToken
+from test_loop import WrongFirstToken, _Wrapper
 
 from mlx_lm_suffix.batch import RowOptions, SuffixBatchGenerator
 from mlx_lm_suffix.drafter import SuffixDrafter
@@ -112,6 +113,38 @@ def test_equals_stock_batch_generate_and_warms_up(model_and_tokenizer, prompts):
             assert accepted / drafted > 0.9
     assert drafter.active_requests == 0
     assert drafter.cached_requests == 3 * len(prompts)
+
+
+def test_a_forward_runs_while_the_caller_handles_a_verification(model_and_tokenizer, prompts):
+    """A call that verifies returns with the next step's plain forward
+    queued (as stock's step returns with its next forward queued), so the
+    model computes while the caller handles the verification's tokens; the
+    next call drafts after the tokens that forward was fed. Outputs stay
+    stock's."""
+    model, tokenizer = model_and_tokenizer
+    ref, _ = _stock_run(model, tokenizer, prompts, [MAX_TOKENS] * len(prompts))
+    drafter = SuffixDrafter(policy="fixed")
+    calls, forwards = [], []
+
+    class Spy(_Wrapper):
+        def __call__(self, inputs, cache=None, **kw):
+            forwards.append(sys._getframe(1).f_code.co_name)  # verify, _step, or a prefill
+            return self.inner(inputs, cache=cache, **kw)
+
+    gen = _suffix_gen(Spy(model), tokenizer, drafter)
+    gen.model.inner.set_dtype(mx.float32)
+
+    def after_step():
+        calls.append((forwards[:], len(gen._generation_batch)))
+        forwards.clear()
+
+    tokens, _ = _run(gen, prompts, [MAX_TOKENS] * len(prompts), after_step=after_step)
+    gen.close()
+    assert tokens == ref
+    verifying = [(f, rows) for f, rows in calls if "verify" in f and rows > 1]
+    assert len(verifying) > 3
+    for f, _ in verifying:
+        assert f[-1] == "_step", f  # the plain forward after the verification
 
 
 def test_rows_accepting_different_counts(model_and_tokenizer, prompts):
