@@ -371,12 +371,14 @@ class SuffixGenerationBatch(GenerationBatch):
         verification), a finished row's last with its cache and tokens."""
         out = []
         for i, tokens in enumerate(emitted):
+            n = len(tokens)  # (one split a row, not an array per index)
+            drafted = mx.split(logprobs[i, : n - 1].reshape(-1), n - 1) if n > 1 else []
             for j, t in enumerate(tokens):
-                done = j == len(tokens) - 1 and finish[i] is not None
+                done = j == n - 1 and finish[i] is not None
                 out.append(self.Response(
                     uid=self.uids[i],
                     token=t,
-                    logprobs=prev_logprobs[i] if j == 0 else logprobs[i, j - 1],
+                    logprobs=prev_logprobs[i] if j == 0 else drafted[j - 1],
                     finish_reason=finish[i] if done else None,
                     prompt_cache=self.extract_cache(i) if done else None,
                     all_tokens=self.tokens[i] if done else None,

@@ -147,6 +147,31 @@ def test_a_forward_runs_while_the_caller_handles_a_verification(model_and_tokeni
         assert f[-1] == "_step", f  # the plain forward after the verification
 
 
+def test_verified_tokens_carry_their_positions_logprobs(model_and_tokenizer, prompts):
+    """Every token a verification emits comes with the logprobs of the
+    position that sampled it: stock's, within a forward's rounding."""
+    model, tokenizer = model_and_tokenizer
+
+    def run(gen):
+        uids = gen.insert(prompts, [MAX_TOKENS] * len(prompts))
+        out = {u: [] for u in uids}
+        while responses := gen.next_generated():
+            for r in responses:
+                out[r.uid].append((r.token, r.logprobs))
+        gen.close()
+        return [out[u] for u in uids]
+
+    ref = run(BatchGenerator(model, stop_tokens=_eos(tokenizer)))
+    drafter = SuffixDrafter(policy="fixed")
+    got = run(_suffix_gen(model, tokenizer, drafter))
+    assert drafter.stats.accepted > 20
+    for r, g in zip(ref, got):
+        assert [t for t, _ in g] == [t for t, _ in r]
+        for (_, a), (_, b) in zip(r, g):
+            assert a.shape == b.shape
+            assert np.allclose(np.array(a), np.array(b), atol=1e-4)
+
+
 def test_rows_accepting_different_counts(model_and_tokenizer, prompts):
     """A warm row (its response cached) next to cold ones: rows accept very
     different numbers of tokens in the same step and stay exact."""
