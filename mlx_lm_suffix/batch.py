@@ -139,6 +139,29 @@ def _waited(spans: Deque[Tuple[float, float]], arrived: float) -> float:
     return waited
 
 
+def _responses(batch: GenerationBatch, emitted: List[List[int]], finish: List[Optional[str]],
+               prev_logprobs: List[mx.array], logprobs: mx.array) -> List[GenerationBatch.Response]:
+    """The responses of every row's emitted tokens after a verification
+    (the first one's logprobs came with it as the pending token, the
+    others' from the verification), a finished row's last with its cache
+    and tokens."""
+    out = []
+    for i, tokens in enumerate(emitted):
+        n = len(tokens)  # (one split a row, not an array per index)
+        drafted = mx.split(logprobs[i, : n - 1].reshape(-1), n - 1) if n > 1 else []
+        for j, t in enumerate(tokens):
+            done = j == n - 1 and finish[i] is not None
+            out.append(batch.Response(
+                uid=batch.uids[i],
+                token=t,
+                logprobs=prev_logprobs[i] if j == 0 else drafted[j - 1],
+                finish_reason=finish[i] if done else None,
+                prompt_cache=batch.extract_cache(i) if done else None,
+                all_tokens=batch.tokens[i] if done else None,
+            ))
+    return out
+
+
 class SuffixGenerationBatch(GenerationBatch):
     """A ``GenerationBatch`` that verifies per-row suffix drafts in one
     forward per step (see the module docstring): the batch's driver of
@@ -355,7 +378,7 @@ class SuffixGenerationBatch(GenerationBatch):
         # that step queues, they would make it wait for that forward.
         mx.eval(self._next_tokens, self._next_logprobs)
 
-        self._responses += self._respond(emitted, finish, prev_logprobs, logprobs)
+        self._responses += _responses(self, emitted, finish, prev_logprobs, logprobs)
         keep = [i for i in range(B) if finish[i] is None]
         for i in keep:
             if self.logits_processors and self.logits_processors[i]:
@@ -363,27 +386,6 @@ class SuffixGenerationBatch(GenerationBatch):
         if len(keep) < B:
             self.filter(keep)
         self._verify_spans.append((tic, time.perf_counter()))
-
-    def _respond(self, emitted: List[List[int]], finish: List[Optional[str]],
-                 prev_logprobs: List[mx.array], logprobs: mx.array) -> List[GenerationBatch.Response]:
-        """The responses of every row's emitted tokens (the first one's
-        logprobs came with it as the pending token, the others' from the
-        verification), a finished row's last with its cache and tokens."""
-        out = []
-        for i, tokens in enumerate(emitted):
-            n = len(tokens)  # (one split a row, not an array per index)
-            drafted = mx.split(logprobs[i, : n - 1].reshape(-1), n - 1) if n > 1 else []
-            for j, t in enumerate(tokens):
-                done = j == n - 1 and finish[i] is not None
-                out.append(self.Response(
-                    uid=self.uids[i],
-                    token=t,
-                    logprobs=prev_logprobs[i] if j == 0 else drafted[j - 1],
-                    finish_reason=finish[i] if done else None,
-                    prompt_cache=self.extract_cache(i) if done else None,
-                    all_tokens=self.tokens[i] if done else None,
-                ))
-        return out
 
     def _emit(
         self, inputs: List[List[int]], accepted: List[int], first: List[int]
