@@ -285,9 +285,8 @@ class SuffixGenerationBatch(GenerationBatch):
         verified = self.draft_stats.verify_steps
         self._responses = []
         self._settled = speculation.step(self, settled, budget, queued)
-        verifies = self.draft_stats.verify_steps > verified
         if budget is not None:
-            if verifies:
+            if self.draft_stats.verify_steps > verified:
                 self.draft_stats.prefill_verify_steps += 1
             else:
                 self.draft_stats.yield_steps += 1
@@ -297,11 +296,11 @@ class SuffixGenerationBatch(GenerationBatch):
             # Nothing verified after the forward the last call queued: its
             # tokens are this call's, as stock's step gives them.
             self.plain()
-            self._ahead = True
-        elif self._settled and (len(self.rows) > 1 or not verifies) and not self.prefilling():
+            self._settled, self._ahead = False, True
+        elif self._settled and len(self.rows) > 1 and not self.prefilling():
             # The next step starts with a plain forward: queued now, as
             # stock's step returns, it runs while the caller handles these
-            # responses. (One row after a verification drafts first.)
+            # responses. (One row drafts after its pending token first.)
             self.plain()
             self._settled, self._ahead = False, True
         return self._responses

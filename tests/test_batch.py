@@ -19,6 +19,7 @@ from test_loop import WrongFirstToken, _Wrapper
 from mlx_lm_suffix.batch import RowOptions, SuffixBatchGenerator
 from mlx_lm_suffix.drafter import SuffixDrafter
 from mlx_lm_suffix.policy import VerifyCost
+from mlx_lm_suffix.speculation import Row
 from mlx_lm_suffix.stats import BatchDraftStats, RequestUsage
 
 MAX_TOKENS = 32
@@ -145,6 +146,55 @@ def test_a_forward_runs_while_the_caller_handles_a_verification(model_and_tokeni
     assert len(verifying) > 3
     for f, _ in verifying:
         assert f[-1] == "_step", f  # the plain forward after the verification
+
+
+def test_a_row_left_alone_drafts_while_its_forward_runs(model_and_tokenizer, prompts, monkeypatch):
+    """Two rows whose drafts' first tokens are all wrong, one finishing
+    early: after a failed check the pair's call returns with the next plain
+    forward queued, and where the other row left with that forward, the
+    row left alone proposes while it runs (it does not read it first, as a
+    settled step would): every read of a forward's token comes after a
+    proposal made since the forward was queued, or right after a read that
+    needed no forward (a settled step's, of the token a check read).
+    Outputs stay stock's."""
+    model, tokenizer = model_and_tokenizer
+    pair = [prompts[1], prompts[3]]
+    drafter = WrongFirstToken(policy="fixed")
+    _run(_suffix_gen(model, tokenizer, drafter), pair, [MAX_TOKENS] * 2)  # the repeats draft
+    events = []
+
+    class Spy(_Wrapper):
+        def __call__(self, inputs, cache=None, **kw):
+            events.append("forward")
+            return self.inner(inputs, cache=cache, **kw)
+
+    propose = Row.propose
+
+    def spy_propose(self, *args, **kwargs):
+        events.append("propose")
+        return propose(self, *args, **kwargs)
+
+    monkeypatch.setattr(Row, "propose", spy_propose)
+    for short in range(3, 12):
+        ref, _ = _stock_run(model, tokenizer, pair, [short, MAX_TOKENS])
+        gen = _suffix_gen(Spy(model), tokenizer, drafter)
+        batch = gen._generation_batch
+
+        def pending(read=batch.pending):
+            events.append("read")
+            return read()
+
+        batch.pending = pending
+        events.clear()
+        tokens, _ = _run(gen, pair, [short, MAX_TOKENS])
+        gen.close()
+        assert tokens == ref
+        assert events.count("read") > 5
+        since = []  # events since the last forward
+        for e in events:
+            if e == "read":
+                assert "propose" in since or since[-1:] == ["read"], (short, events)
+            since = [] if e == "forward" else since + [e]
 
 
 def test_verified_tokens_carry_their_positions_logprobs(model_and_tokenizer, prompts):
