@@ -34,9 +34,17 @@ server's queue, ``requests_waiting``) are not known to the generator yet:
 while there are any, steps verify nothing (a server inserts them between
 its runs of steps).
 
+Between calls a forward runs, as after stock's step: a call that read one
+(a verification, a check of first tokens) queues the next step's first
+forward before it returns; the next call drafts after a plain forward's
+tokens, or reads the verification first (one row drafts after its pending
+token, settled, and verifies both at once). A verification queued so is
+undone before the rows change or a row's cache is extracted.
+
 Invariants kept between steps (the same as stock): ``self.tokens[i]`` equals
 the tokens in row ``i``'s KV cache, which are the prompt plus every emitted
-token; the pending token is not in the cache.
+token (but the positions of a verification queued between calls); the
+pending token is not in the cache.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Generator, Hashable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -139,16 +147,68 @@ def _waited(spans: Deque[Tuple[float, float]], arrived: float) -> float:
     return waited
 
 
+def _can_draft(batch: "SuffixGenerationBatch") -> bool:
+    """Whether the batch's rows may draft: a drafter, a row with draft
+    tokens, and a cache whose rows roll back."""
+    if batch.drafter is None or not any(
+        row.req is not None and row.num_draft_tokens > 0 for row in batch.rows
+    ):
+        return False
+    if not rollback.supports_batch(batch.prompt_cache):
+        _warn_no_batch_rollback(batch.model, batch.prompt_cache)
+        return False
+    return True
+
+
+def _take_back(batch: "SuffixGenerationBatch") -> None:
+    """Before the rows change between calls: a verification queued by a
+    paused step is undone (its positions leave the cache) and the rows'
+    pending tokens stay theirs, known."""
+    if batch._steps is None or batch._inflight != "verify":
+        return
+    inputs, saved = batch._verified[2], batch._verified[1]
+    width = max(map(len, inputs))
+    rollback.undo_rows(batch.prompt_cache, saved, width, [width] * len(inputs))
+    batch._steps, batch._inflight, batch._settled, batch._left = None, None, True, None
+
+
+def _emit(batch: "SuffixGenerationBatch", inputs: List[List[int]], accepted: List[int],
+          first: List[int]) -> Tuple[List[List[int]], List[Optional[str]]]:
+    """Each row's emitted tokens after a verification (its first input and
+    the accepted ones, up to the one that finishes it) and its finish
+    reason; the tokens go to the batch's ``tokens`` and the row. Each token
+    is counted and tested in turn as ``GenerationBatch.next`` (mlx-lm
+    0.32.2) tests the one it emits: ``max_tokens``, then the stop
+    sequences."""
+    emitted, finish = [], []
+    for i, (x, a, f) in enumerate(zip(inputs, accepted, first)):
+        reason, out = None, []
+        for t in x[: a + 1]:
+            out.append(t)
+            batch._num_tokens[i] += 1
+            reason = "length" if batch._num_tokens[i] >= batch.max_tokens[i] else None
+            if batch._matchers[i].advance(t):
+                reason = "stop"
+            if reason is not None:
+                break
+        batch.tokens[i].extend(out)
+        batch.rows[i].emit(out, drafted=len(out) - 1 + f)
+        emitted.append(out)
+        finish.append(reason)
+    return emitted, finish
+
+
 def _responses(batch: GenerationBatch, emitted: List[List[int]], finish: List[Optional[str]],
                prev_logprobs: List[mx.array], logprobs: mx.array) -> List[GenerationBatch.Response]:
     """The responses of every row's emitted tokens after a verification
     (the first one's logprobs came with it as the pending token, the
     others' from the verification), a finished row's last with its cache
     and tokens."""
-    out = []
+    out, split = [], []
     for i, tokens in enumerate(emitted):
         n = len(tokens)  # (one split a row, not an array per index)
         drafted = mx.split(logprobs[i, : n - 1].reshape(-1), n - 1) if n > 1 else []
+        split += drafted
         for j, t in enumerate(tokens):
             done = j == n - 1 and finish[i] is not None
             out.append(batch.Response(
@@ -159,6 +219,9 @@ def _responses(batch: GenerationBatch, emitted: List[List[int]], finish: List[Op
                 prompt_cache=batch.extract_cache(i) if done else None,
                 all_tokens=batch.tokens[i] if done else None,
             ))
+    # Now, on the batch's stream: a caller's read of them later would wait
+    # for the forward queued after them there.
+    mx.eval(split)
     return out
 
 
@@ -189,13 +252,15 @@ class SuffixGenerationBatch(GenerationBatch):
         self.draft_stats = stats if stats is not None else BatchDraftStats()
         #: One row per uid, in the same order.
         self.rows: List[Row] = []
-        # The pending tokens are known and nothing is computing (the last
-        # step verified drafts, or waited for the plain forward to check them).
+        # Between steps (see ``next``): the pending tokens are known and
+        # nothing computes; the forward queued and not read ("plain",
+        # "verify"); a step paused after its verification, and when that
+        # call returned; whether the last call ended a step after its plain.
         self._settled = False
-        # A plain forward is queued (waiting for it checks drafts).
+        self._inflight: Optional[str] = None
+        self._steps: Optional[Generator[None, None, bool]] = None
+        self._left: Optional[float] = None
         self._queued = False
-        # The last call ran the next step's plain forward (see ``next``).
-        self._ahead = False
         self._responses: List[GenerationBatch.Response] = []
         self._verified: Any = None
         #: ``budget(joined)``: whether a step must be stock's alone (rows
@@ -224,9 +289,10 @@ class SuffixGenerationBatch(GenerationBatch):
                 self.draft_stats.count_wait(_waited(self._verify_spans, opts.arrived))
 
     def extend(self, batch: GenerationBatch) -> None:
+        _take_back(self)
         n0 = len(self.uids)
         super().extend(batch)
-        self._settled = self._ahead = False
+        self._settled = False
         if isinstance(batch, SuffixGenerationBatch):
             self.rows.extend(batch.rows)
             batch.rows = []  # now owned by self
@@ -234,6 +300,7 @@ class SuffixGenerationBatch(GenerationBatch):
             self._add_rows(n0)
 
     def filter(self, keep: List[int]) -> None:
+        _take_back(self)
         kept = set(keep)
         for i, row in enumerate(self.rows):
             if i not in kept:
@@ -241,8 +308,13 @@ class SuffixGenerationBatch(GenerationBatch):
         super().filter(keep)
         self.rows = [self.rows[i] for i in keep]
 
+    def extract_cache(self, idx: int) -> List[Any]:
+        _take_back(self)
+        return super().extract_cache(idx)
+
     def finish_all(self) -> None:
         """Stop every row's drafter request (the rows stay in the batch)."""
+        _take_back(self)
         for row in self.rows:
             row.finish()
 
@@ -258,63 +330,76 @@ class SuffixGenerationBatch(GenerationBatch):
         stats.max_batch_size = max(stats.max_batch_size, len(tokens))
         return tokens, logprobs
 
-    def _can_draft(self) -> bool:
-        if self.drafter is None or not any(
-            row.req is not None and row.num_draft_tokens > 0 for row in self.rows
-        ):
-            return False
-        if not rollback.supports_batch(self.prompt_cache):
-            _warn_no_batch_rollback(self.model, self.prompt_cache)
-            return False
-        return True
-
     def next(self) -> List[GenerationBatch.Response]:
         if not self.uids:
             return []
-        settled, self._settled = self._settled, False
-        queued, self._ahead = self._ahead, False
-        if not self._can_draft():
-            return super().next()
+        self._responses = []
+        if self._left is not None:  # (the caller's time is not the verification's)
+            tic, *rest = self._verified
+            self._verified = (tic + time.perf_counter() - self._left, *rest)
+            self._left = None
+        if not _can_draft(self):
+            return self._stock_step()
         plain, budget = self.budget(any(row.emitted == 0 for row in self.rows))
         if plain:
             self.draft_stats.yield_steps += 1
-            return super().next()
+            return self._stock_step()
         policy = self.policy
         policy.ensure_cost(self.model)  # adaptive policy: once per drafter
         policy.ensure_width(self.model, len(self.uids))
         verified = self.draft_stats.verify_steps
-        self._responses = []
-        self._settled = speculation.step(self, settled, budget, queued)
+        steps, self._steps = self._steps, None
+        queued, self._queued = self._queued, False
+        while self.uids:
+            if steps is None:
+                if self._responses and (self._inflight or self.prefilling()):
+                    break  # (prompts prefilled after this call wait for no more)
+                steps = speculation.stepping(self, self._settled, budget, queued)
+                queued = False
+            try:
+                next(steps)
+            except StopIteration as done:
+                self._settled, steps = done.value, None
+                continue
+            if self._inflight and self._responses:
+                # A forward runs while the caller handles these responses,
+                # as after stock's step. A verification's step goes on in the
+                # next call; after a plain forward, the next call drafts
+                # (within its own budget).
+                if self._inflight == "verify":
+                    self._steps, self._left = steps, time.perf_counter()
+                else:
+                    steps.close()
+                    self._settled, self._queued = False, True
+                break
         if budget is not None:
             if self.draft_stats.verify_steps > verified:
                 self.draft_stats.prefill_verify_steps += 1
             else:
                 self.draft_stats.yield_steps += 1
-        if not self.uids:
-            return self._responses
-        if queued and not self._responses:
-            # Nothing verified after the forward the last call queued: its
-            # tokens are this call's, as stock's step gives them.
-            self.plain()
-            self._settled, self._ahead = False, True
-        elif self._settled and len(self.rows) > 1 and not self.prefilling():
-            # The next step starts with a plain forward: queued now, as
-            # stock's step returns, it runs while the caller handles these
-            # responses. (One row drafts after its pending token first.)
-            self.plain()
-            self._settled, self._ahead = False, True
         return self._responses
+
+    def _stock_step(self) -> List[GenerationBatch.Response]:
+        """Stock's step, after the rest of a step paused with its
+        verification queued (a plain forward queued by the last call is the
+        one stock's step reads)."""
+        steps, self._steps = self._steps, None
+        if steps is not None:
+            speculation.finish(steps)
+        responses = self._responses + super().next()
+        self._settled, self._inflight, self._queued = False, "plain", False
+        return responses
 
     # ------------------------------------------------------------ Driver
     def pending(self) -> List[int]:
-        if self._queued:
+        if self._inflight == "plain":
             self.draft_stats.check_steps += 1
-            self._queued = False
+            self._inflight = None
         return self._next_tokens.tolist()
 
     def plain(self) -> None:
         self._responses += super().next()
-        self._queued = True
+        self._inflight = "plain"
 
     def room(self) -> float:
         return rollback.room(self.prompt_cache, self.max_context)
@@ -327,7 +412,7 @@ class SuffixGenerationBatch(GenerationBatch):
         logits processors run per position over the row's tokens so far,
         and each row samples all its positions."""
         tic = time.perf_counter()
-        self._queued = False
+        self._inflight = "verify"
         width = max(map(len, inputs))
         saved = rollback.checkpoint(self.prompt_cache)
         padded = mx.array([x + [0] * (width - len(x)) for x in inputs], dtype=mx.uint32)
@@ -348,6 +433,7 @@ class SuffixGenerationBatch(GenerationBatch):
 
     def verified(self) -> List[List[int]]:
         tic, _, inputs, sampled, logprobs = self._verified
+        self._inflight = None
         mx.eval(sampled, logprobs)
         width = max(map(len, inputs))
         self.policy.observe(width * len(inputs), time.perf_counter() - tic, rows=len(inputs))
@@ -356,7 +442,7 @@ class SuffixGenerationBatch(GenerationBatch):
     def keep(self, accepted: List[int], first: List[int]) -> None:
         tic, saved, inputs, sampled, logprobs = self._verified
         B, W = len(inputs), max(map(len, inputs))
-        emitted, finish = self._emit(inputs, accepted, first)
+        emitted, finish = _emit(self, inputs, accepted, first)
         # Each row's cache back to the tokens it emitted.
         rejected = [W - len(e) for e in emitted]
         replayed = rollback.undo_rows(self.prompt_cache, saved, W, rejected)
@@ -385,31 +471,6 @@ class SuffixGenerationBatch(GenerationBatch):
         if len(keep) < B:
             self.filter(keep)
         self._verify_spans.append((tic, time.perf_counter()))
-
-    def _emit(
-        self, inputs: List[List[int]], accepted: List[int], first: List[int]
-    ) -> Tuple[List[List[int]], List[Optional[str]]]:
-        """Each row's emitted tokens (its first input and the accepted ones,
-        up to the one that finishes it) and its finish reason; the tokens go
-        to ``tokens`` and the row. Each token is counted and tested in turn
-        as ``GenerationBatch.next`` (mlx-lm 0.32.2) tests the one it emits:
-        ``max_tokens``, then the stop sequences."""
-        emitted, finish = [], []
-        for i, (x, a, f) in enumerate(zip(inputs, accepted, first)):
-            reason, out = None, []
-            for t in x[: a + 1]:
-                out.append(t)
-                self._num_tokens[i] += 1
-                reason = "length" if self._num_tokens[i] >= self.max_tokens[i] else None
-                if self._matchers[i].advance(t):
-                    reason = "stop"
-                if reason is not None:
-                    break
-            self.tokens[i].extend(out)
-            self.rows[i].emit(out, drafted=len(out) - 1 + f)
-            emitted.append(out)
-            finish.append(reason)
-        return emitted, finish
 
 
 class SuffixBatchGenerator(BatchGenerator):

@@ -464,10 +464,14 @@ def _idle(driver: Driver, since: Optional[float], wait: bool = False) -> None:
         stats.idle_s += time.perf_counter() - since
 
 
-def step(driver: Driver, settled: bool, budget: Optional[float] = None,
-         queued: bool = False) -> bool:
+def step(driver: Driver, settled: bool, budget: Optional[float] = None) -> bool:
     """One step of the driver's rows (:func:`stepping`, run through)."""
-    steps = stepping(driver, settled, budget, queued)
+    return finish(stepping(driver, settled, budget))
+
+
+def finish(steps: Generator[None, None, bool]) -> bool:
+    """Run a step (:func:`stepping`, paused or not) through; returns
+    whether the rows' pending tokens are known after it."""
     try:
         while True:
             next(steps)
@@ -485,8 +489,8 @@ def stepping(driver: Driver, settled: bool, budget: Optional[float] = None,
     that emits the next); returns whether their pending tokens are known
     after it and nothing computes. ``budget``: the most seconds the step
     may take beyond a plain step. ``queued``: the step's plain forward is
-    queued already (the driver ran :meth:`Driver.plain` after the last
-    step, which ended settled), so it starts with the drafts."""
+    queued already (a step the driver ended after queuing it), so it starts
+    with the drafts after the tokens that forward was fed."""
     early: Optional[List[Draft]] = None
     rows = driver.rows
     if settled and len(rows) == 1:

@@ -150,13 +150,10 @@ def test_a_forward_runs_while_the_caller_handles_a_verification(model_and_tokeni
 
 def test_a_row_left_alone_drafts_while_its_forward_runs(model_and_tokenizer, prompts, monkeypatch):
     """Two rows whose drafts' first tokens are all wrong, one finishing
-    early: after a failed check the pair's call returns with the next plain
-    forward queued, and where the other row left with that forward, the
-    row left alone proposes while it runs (it does not read it first, as a
-    settled step would): every read of a forward's token comes after a
-    proposal made since the forward was queued, or right after a read that
-    needed no forward (a settled step's, of the token a check read).
-    Outputs stay stock's."""
+    early: every plain forward runs while the rows propose (its token is
+    read after a proposal made since it was queued, never first, as a
+    settled step reads a token it knows), also where the other row left as
+    it was queued. Outputs stay stock's."""
     model, tokenizer = model_and_tokenizer
     pair = [prompts[1], prompts[3]]
     drafter = WrongFirstToken(policy="fixed")
@@ -165,7 +162,7 @@ def test_a_row_left_alone_drafts_while_its_forward_runs(model_and_tokenizer, pro
 
     class Spy(_Wrapper):
         def __call__(self, inputs, cache=None, **kw):
-            events.append("forward")
+            events.append(sys._getframe(1).f_code.co_name)  # _step: a plain forward
             return self.inner(inputs, cache=cache, **kw)
 
     propose = Row.propose
@@ -190,11 +187,15 @@ def test_a_row_left_alone_drafts_while_its_forward_runs(model_and_tokenizer, pro
         gen.close()
         assert tokens == ref
         assert events.count("read") > 5
-        since = []  # events since the last forward
+        unread = None  # events since the last plain forward, until its token is read
         for e in events:
-            if e == "read":
-                assert "propose" in since or since[-1:] == ["read"], (short, events)
-            since = [] if e == "forward" else since + [e]
+            if e == "read" and unread is not None:
+                assert "propose" in unread, (short, events)
+                unread = None
+            elif e == "_step":
+                unread = []
+            elif unread is not None:
+                unread.append(e)
 
 
 def test_verified_tokens_carry_their_positions_logprobs(model_and_tokenizer, prompts):
@@ -434,6 +435,52 @@ def test_rows_join_and_leave_mid_generation(model_and_tokenizer, prompts):
             assert out[uid] == r[: len(out[uid])]
         else:
             assert out[uid] == r
+    assert drafter.active_requests == 0
+
+
+def test_rows_change_while_one_rows_verification_runs(model_and_tokenizer, prompts):
+    """One row's call returns with its next verification queued (its
+    tokens are handed out while that forward runs); a cache extracted, a
+    prompt inserted or the row removed before the next call undoes that
+    verification first: the extracted cache holds exactly the row's
+    tokens, every output is stock's, and a removed row leaves nothing."""
+    model, tokenizer = model_and_tokenizer
+    trio = prompts[1::2]  # repetitive: the row drafts from its prompt
+    ref, _ = _stock_run(model, tokenizer, trio, [MAX_TOKENS] * 3)
+    drafter = SuffixDrafter(policy="fixed", num_draft_tokens=4)
+    _run(_suffix_gen(model, tokenizer, drafter), trio, [MAX_TOKENS] * 3)  # answers cached
+
+    def until_held(gen, out):
+        batch = gen._generation_batch
+        while responses := gen.next_generated():
+            for r in responses:
+                out.setdefault(r.uid, []).append(r.token)
+            if batch._inflight == "verify":
+                return True
+        return False
+
+    gen = _suffix_gen(model, tokenizer, drafter)
+    batch = gen._generation_batch
+    [first] = gen.insert(trio[:1], [MAX_TOKENS])
+    out = {}
+    assert until_held(gen, out)
+    cache, tokens = gen.extract_cache([first])[first]
+    assert cache[0].offset == len(tokens) == len(batch.tokens[0])
+    assert batch._inflight is None
+    assert until_held(gen, out)
+    later = gen.insert(trio[1:], [MAX_TOKENS] * 2)
+    until_held(gen, out)
+    gen.close()
+    assert [out[u] for u in [first] + later] == ref
+
+    gen = _suffix_gen(model, tokenizer, drafter)
+    [only] = gen.insert(trio[:1], [MAX_TOKENS])
+    out = {}
+    assert until_held(gen, out)
+    gen.remove([only])
+    assert len(gen._generation_batch) == 0 and gen.next_generated() == []
+    gen.close()
+    assert out[only] == ref[0][: len(out[only])]
     assert drafter.active_requests == 0
 
 
@@ -794,7 +841,7 @@ def test_one_row_verifies_a_likely_draft_with_its_pending_token(model_and_tokeni
                 tokens = []
                 while responses := gen.next_generated():
                     tokens += [r.token for r in responses]
-                    if len(batch):
+                    if len(batch) and batch._inflight != "verify":  # (then read first)
                         assert [len(t) for t in batch.tokens] == batch.prompt_cache[0].offset.tolist()
                 gen.close()
                 assert tokens == ref[0], (max_tokens, round_)
