@@ -204,11 +204,10 @@ def _responses(batch: GenerationBatch, emitted: List[List[int]], finish: List[Op
     (the first one's logprobs came with it as the pending token, the
     others' from the verification), a finished row's last with its cache
     and tokens."""
-    out, split = [], []
+    out = []
     for i, tokens in enumerate(emitted):
         n = len(tokens)  # (one split a row, not an array per index)
         drafted = mx.split(logprobs[i, : n - 1].reshape(-1), n - 1) if n > 1 else []
-        split += drafted
         for j, t in enumerate(tokens):
             done = j == n - 1 and finish[i] is not None
             out.append(batch.Response(
@@ -219,9 +218,6 @@ def _responses(batch: GenerationBatch, emitted: List[List[int]], finish: List[Op
                 prompt_cache=batch.extract_cache(i) if done else None,
                 all_tokens=batch.tokens[i] if done else None,
             ))
-    # Now, on the batch's stream: a caller's read of them later would wait
-    # for the forward queued after them there.
-    mx.eval(split)
     return out
 
 
@@ -459,11 +455,12 @@ class SuffixGenerationBatch(GenerationBatch):
         self._current_logprobs = prev_logprobs
         self._next_tokens = sampled[mx.arange(B), mx.array(accepted)]
         self._next_logprobs = [logprobs[i, a] for i, a in enumerate(accepted)]
-        # Now, not in the next step: evaluated lazily there, after the forward
-        # that step queues, they would make it wait for that forward.
-        mx.eval(self._next_tokens, self._next_logprobs)
-
-        self._responses += _responses(self, emitted, finish, prev_logprobs, logprobs)
+        responses = _responses(self, emitted, finish, prev_logprobs, logprobs)
+        # Now, not later: evaluated after a forward queued on this stream
+        # (the next step's, or the caller's reads while it runs), they would
+        # wait for it.
+        mx.eval(self._next_tokens, self._next_logprobs, [r.logprobs for r in responses])
+        self._responses += responses
         keep = [i for i in range(B) if finish[i] is None]
         for i in keep:
             if self.logits_processors and self.logits_processors[i]:

@@ -148,7 +148,11 @@ class _Single:
         self.ctx_limit = ctx_limit
         #: The widest forward over the quantized cache (see :func:`quantized_width`).
         self.kv_width = 1
-        self.y, self.logprobs = first  # the pending token
+        # The pending token and its logprobs, evaluated: the consumer reads
+        # them while a forward queued after them runs (its own reads wait
+        # for nothing queued on this stream).
+        self.y, self.logprobs = first[0], first[1].squeeze(0)
+        mx.eval(self.logprobs)
         self.out: List[Tuple[int, mx.array, bool]] = []
         # The last verification: until keep(), what it fed and sampled;
         # after, what taking back its emitted tokens needs.
@@ -176,8 +180,8 @@ class _Single:
             self.seen = mx.concatenate([self.history, inputs])
             logits = sampling.process(self.processors, self.seen, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if single:
-            return self.sampler(logprobs), logprobs, None
+        if single:  # (logprobs 1-D: evaluated with the token)
+            return self.sampler(logprobs), logprobs.squeeze(0), None
         y, states = sampling.sample(self.sampler, logprobs)
         return y, logprobs, states
 
@@ -206,7 +210,7 @@ class _Single:
             self.policy.observe_plain(ready - self.plain_at)
         self.plain_at = ready
         self.fed(1)
-        self.out.append((t, logprobs.squeeze(0), False))
+        self.out.append((t, logprobs, False))
         self.rows[0].stepped(t)
 
     def verify(self, inputs: List[List[int]]) -> None:
@@ -215,7 +219,10 @@ class _Single:
         saved = rollback.checkpoint(self.cache)
         self.verify_at = time.perf_counter()
         y, logprobs, states = self.forward(tokens, quantize=False)
-        mx.async_eval(y)
+        # Each position's logprobs, 1-D (one split, not an index each), with
+        # the tokens: the consumer reads them while the next forward runs.
+        logprobs = mx.split(logprobs.reshape(-1), tokens.size)
+        mx.async_eval(y, logprobs)
         self._queued = (saved, tokens, inputs[0], y, logprobs, states)
 
     def verified(self) -> List[List[int]]:
@@ -235,11 +242,10 @@ class _Single:
         sampling.rewind(states, a + 1)
         self.fed(a + 1)
         emitted = fed[: a + 1]  # (the list: reading ``kept`` would wait for an evaluation)
-        self.out.append((emitted[0], self.logprobs.squeeze(0), bool(first)))
-        if a:  # (one split, not an array per index)
-            self.out.extend(zip(emitted[1:], mx.split(logprobs[:a].reshape(-1), a), [True] * a))
+        self.out.append((emitted[0], self.logprobs, bool(first)))
+        self.out.extend(zip(emitted[1:], logprobs[:a], [True] * a))
         self.rows[0].emit(emitted, drafted=a + first)
-        self.y, self.logprobs = mx.array([targets[a]], mx.uint32), logprobs[a : a + 1]
+        self.y, self.logprobs = mx.array([targets[a]], mx.uint32), logprobs[a]
         self._verified = (saved, since, kept)
 
     def room(self) -> float:

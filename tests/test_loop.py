@@ -382,7 +382,9 @@ def test_the_consumers_time_is_not_a_forwards(model_and_tokenizer, monkeypatch):
                                                                        observe(n, s, **kw)))
     for _ in suffix_generate_step(mx.array(prompt), model, drafter, max_tokens=40):
         skew[0] += 3600.0
-    assert sum(n > 1 for n, _ in seen) > 1 and all(s < 1.0 for _, s in seen), seen
+    # (One verification may take the whole cached answer; it is queued
+    # while the tokens before it are handed out.)
+    assert any(n > 1 for n, _ in seen) and all(s < 1.0 for _, s in seen), seen
 
 
 def test_adaptive_verifies_the_missed_token_with_the_next_draft(model_and_tokenizer):
