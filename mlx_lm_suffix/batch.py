@@ -172,6 +172,18 @@ def _take_back(batch: "SuffixGenerationBatch") -> None:
     batch._steps, batch._inflight, batch._settled, batch._left = None, None, True, None
 
 
+def _stock_step(batch: "SuffixGenerationBatch") -> List[GenerationBatch.Response]:
+    """Stock's step, after the rest of a step paused with its verification
+    queued (a plain forward queued by the last call is the one stock's step
+    reads)."""
+    steps, batch._steps = batch._steps, None
+    if steps is not None:
+        speculation.finish(steps)
+    responses = batch._responses + GenerationBatch.next(batch)
+    batch._settled, batch._inflight, batch._queued = False, "plain", False
+    return responses
+
+
 def _emit(batch: "SuffixGenerationBatch", inputs: List[List[int]], accepted: List[int],
           first: List[int]) -> Tuple[List[List[int]], List[Optional[str]]]:
     """Each row's emitted tokens after a verification (its first input and
@@ -257,6 +269,8 @@ class SuffixGenerationBatch(GenerationBatch):
         self._steps: Optional[Generator[None, None, bool]] = None
         self._left: Optional[float] = None
         self._queued = False
+        # Rows that left during a call, finished once its forward is queued.
+        self._leaving: Optional[List[Row]] = None
         self._responses: List[GenerationBatch.Response] = []
         self._verified: Any = None
         #: ``budget(joined)``: whether a step must be stock's alone (rows
@@ -298,9 +312,12 @@ class SuffixGenerationBatch(GenerationBatch):
     def filter(self, keep: List[int]) -> None:
         _take_back(self)
         kept = set(keep)
-        for i, row in enumerate(self.rows):
-            if i not in kept:
+        gone = [row for i, row in enumerate(self.rows) if i not in kept]
+        if self._leaving is None:
+            for row in gone:
                 row.finish()
+        else:
+            self._leaving += gone
         super().filter(keep)
         self.rows = [self.rows[i] for i in keep]
 
@@ -327,6 +344,15 @@ class SuffixGenerationBatch(GenerationBatch):
         return tokens, logprobs
 
     def next(self) -> List[GenerationBatch.Response]:
+        self._leaving = []  # (finished once a forward is queued: not the device's wait)
+        try:
+            return self._step_rows()
+        finally:
+            leaving, self._leaving = self._leaving, None
+            for row in leaving:
+                row.finish()
+
+    def _step_rows(self) -> List[GenerationBatch.Response]:
         if not self.uids:
             return []
         self._responses = []
@@ -335,11 +361,11 @@ class SuffixGenerationBatch(GenerationBatch):
             self._verified = (tic + time.perf_counter() - self._left, *rest)
             self._left = None
         if not _can_draft(self):
-            return self._stock_step()
+            return _stock_step(self)
         plain, budget = self.budget(any(row.emitted == 0 for row in self.rows))
         if plain:
             self.draft_stats.yield_steps += 1
-            return self._stock_step()
+            return _stock_step(self)
         policy = self.policy
         policy.ensure_cost(self.model)  # adaptive policy: once per drafter
         policy.ensure_width(self.model, len(self.uids))
@@ -374,17 +400,6 @@ class SuffixGenerationBatch(GenerationBatch):
             else:
                 self.draft_stats.yield_steps += 1
         return self._responses
-
-    def _stock_step(self) -> List[GenerationBatch.Response]:
-        """Stock's step, after the rest of a step paused with its
-        verification queued (a plain forward queued by the last call is the
-        one stock's step reads)."""
-        steps, self._steps = self._steps, None
-        if steps is not None:
-            speculation.finish(steps)
-        responses = self._responses + super().next()
-        self._settled, self._inflight, self._queued = False, "plain", False
-        return responses
 
     # ------------------------------------------------------------ Driver
     def pending(self) -> List[int]:

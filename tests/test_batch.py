@@ -198,6 +198,49 @@ def test_a_row_left_alone_drafts_while_its_forward_runs(model_and_tokenizer, pro
                 unread.append(e)
 
 
+def test_rows_that_finish_leave_after_the_next_forward_is_queued(model_and_tokenizer, prompts,
+                                                                  monkeypatch):
+    """A row that finishes in a call is handed to the drafter (its response
+    to the global tree, its request stopped) once that call's last forward
+    is queued, not while the device waits for it; the drafter has every
+    response at the end, and the outputs are stock's."""
+    model, tokenizer = model_and_tokenizer
+    lengths = [8, 14, 20, MAX_TOKENS, 11, 26]
+    ref, _ = _stock_run(model, tokenizer, prompts, lengths)
+    drafter = SuffixDrafter(policy="fixed", num_draft_tokens=4)
+    _run(_suffix_gen(model, tokenizer, drafter), prompts, lengths)  # answers cached
+    events, calls = [], []
+
+    class Spy(_Wrapper):
+        def __call__(self, inputs, cache=None, **kw):
+            events.append("forward")
+            return self.inner(inputs, cache=cache, **kw)
+
+    finish = Row.finish
+
+    def spy_finish(self):
+        if self.req is not None:
+            events.append("finish")
+        finish(self)
+
+    monkeypatch.setattr(Row, "finish", spy_finish)
+    gen = _suffix_gen(Spy(model), tokenizer, drafter)
+
+    def after_step():
+        calls.append((events[:], len(gen._generation_batch)))
+        events.clear()
+
+    cached = drafter.cached_requests
+    tokens, _ = _run(gen, prompts, lengths, after_step=after_step)
+    gen.close()
+    assert tokens == ref
+    leaving = [e for e, rows in calls if "finish" in e and rows]
+    assert leaving
+    for e in leaving:
+        assert "forward" not in e[e.index("finish"):], e
+    assert drafter.active_requests == 0 and drafter.cached_requests == cached + len(prompts)
+
+
 def test_verified_tokens_carry_their_positions_logprobs(model_and_tokenizer, prompts):
     """Every token a verification emits comes with the logprobs of the
     position that sampled it: stock's, within a forward's rounding."""
