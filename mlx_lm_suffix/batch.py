@@ -164,7 +164,7 @@ def _take_back(batch: "SuffixGenerationBatch") -> None:
     """Before the rows change between calls: a verification queued by a
     paused step is undone (its positions leave the cache) and the rows'
     pending tokens stay theirs, known."""
-    if batch._steps is None or batch._inflight != "verify":
+    if batch._steps is None:  # (a step is held only after its verification)
         return
     inputs, saved = batch._verified[2], batch._verified[1]
     width = max(map(len, inputs))
@@ -179,9 +179,9 @@ def _stock_step(batch: "SuffixGenerationBatch") -> List[GenerationBatch.Response
     steps, batch._steps = batch._steps, None
     if steps is not None:
         speculation.finish(steps)
-    responses = batch._responses + GenerationBatch.next(batch)
-    batch._settled, batch._inflight, batch._queued = False, "plain", False
-    return responses
+    batch.plain()
+    batch._settled = batch._queued = False
+    return batch._responses
 
 
 def _emit(batch: "SuffixGenerationBatch", inputs: List[List[int]], accepted: List[int],
