@@ -103,6 +103,9 @@ SIGNATURES: Dict[str, Optional[str]] = {
     "mlx_lm.generate:_merge_caches": None,
     "mlx_lm.utils:load_tokenizer": None,
     "mlx_lm.server:run": "host, port, model_provider, server_class, handler_class",
+    "mlx_lm.server:_run_http_server": (
+        "host, port, response_generator, server_class, handler_class"
+    ),
     "mlx_lm.server:main": "",
     "mlx_lm.server:ModelProvider._load": "self, model_path, adapter_path, draft_model_path",
     "mlx_lm.server:ResponseGenerator._tokenize": "self, tokenizer, request, args",
@@ -144,6 +147,8 @@ LOOKUPS: Dict[str, Tuple[str, ...]] = {
     # batch: the generation step comes first, then prefill (_prefill_ahead)
     "mlx_lm.generate:BatchGenerator._next": _PREFILL_STATE,
     "mlx_lm.server:main": ("argparse", "run"),
+    # patches.server._run_http_server: stock run() serves HTTP through it
+    "mlx_lm.server:run": ("_run_http_server",),
     # serving._requested_key maps a request's model names as load does
     "mlx_lm.server:ModelProvider.load": ("_load", "_model_map", "_adapter_map", "_draft_model_map"),
     "mlx_lm.server:ResponseGenerator._run_generate": ("_generate",),

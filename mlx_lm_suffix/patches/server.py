@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
+from http.server import ThreadingHTTPServer
 from types import ModuleType
 
 from . import compat, serving
@@ -53,6 +55,24 @@ def run(host, port, model_provider, *args, **kwargs):
     serving.prepare_run(state)
     with state.lifetime():
         return original(run)(host, port, model_provider, *args, **kwargs)
+
+
+class ListeningServer(ThreadingHTTPServer):
+    """Stock's HTTP server class, listening with the system's largest
+    backlog: socketserver's 5 leaves connections beyond the sixth that arrive
+    at once unaccepted (reset, or delayed by a SYN retransmit of a second)."""
+
+    request_queue_size = socket.SOMAXCONN
+
+
+# mlx-lm 0.32.2 _run_http_server(host, port, response_generator, server_class,
+# handler_class) builds and serves the HTTP server (stock run() passes it no
+# server_class): a suffix server's listens with ListeningServer's backlog.
+def _run_http_server(host, port, response_generator, *args, **kwargs):
+    if (not args and "server_class" not in kwargs
+            and serving.state_for(response_generator.model_provider.cli_args) is not None):
+        kwargs["server_class"] = ListeningServer
+    return original(_run_http_server)(host, port, response_generator, *args, **kwargs)
 
 
 # mlx-lm 0.32.2 main(): parses the CLI and calls run(...) until Ctrl-C (or SIGTERM,
@@ -203,6 +223,7 @@ PATCHES = [
     # name `argparse` and calls `parser.parse_args()` once all options are added.
     Patch(_SERVER, "argparse", _argparse_with(_SuffixServerParser)),
     Patch(_SERVER, "run", run),
+    Patch(_SERVER, "_run_http_server", _run_http_server),
     Patch(_SERVER, "main", main),
     Patch(_SERVER, "BatchGenerator", BatchGenerator),
     Patch(_SERVER, "stream_generate", stream_generate),

@@ -326,8 +326,17 @@ def serve_main(argv: Optional[List[str]] = None) -> None:
 
     Hooks ``mlx_lm.server._make_logits_processors`` (mlx-lm 0.32.2), which the
     server calls once per request on both its single and batched paths.
+    A stock server listens with the suffix server's backlog
+    (:class:`~mlx_lm_suffix.patches.server.ListeningServer`): stock's 5 makes
+    clients beyond the sixth that connect at once wait a second, which would
+    swamp what is compared.
     """
     import mlx_lm.server as server
+
+    from ..patches.server import ListeningServer
+
+    run_http = server._run_http_server
+    server._run_http_server = lambda *a, **k: run_http(*a, **{"server_class": ListeningServer, **k})
 
     script = os.environ.get(SCRIPT_ENV)
     if script:
@@ -729,11 +738,10 @@ _UNREAD = (ConnectionResetError, ConnectionRefusedError, BrokenPipeError)
 
 
 def _open(hreq: urllib.request.Request, timeout: float) -> Any:
-    """``urlopen``, again after a connection reset before any response:
-    mlx_lm.server listens with socketserver's backlog of 5, so with more
-    connections arriving at once than it accepts some are reset unread (the
-    server never saw them), stock and suffix alike. The time of the failed
-    attempts counts in the request's."""
+    """``urlopen``, again after a connection reset before any response (a
+    server that was never told of it: a stock ``mlx_lm.server`` outside
+    :func:`serve_main` listens with socketserver's backlog of 5). The time
+    of the failed attempts counts in the request's."""
     for attempt in range(1, CONNECT_ATTEMPTS):
         try:
             return urllib.request.urlopen(hreq, timeout=timeout)
