@@ -2,7 +2,12 @@
 folder and loaded through the real ``mlx_lm.load``."""
 
 import os
+import selectors
+import signal
+import socket
+import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -36,3 +41,39 @@ def tiny_family_path(models_dir):
     from mlx_lm_suffix.tools.models import ensure_model
 
     return lambda family: ensure_model(family, "tiny", cache_dir=models_dir)
+
+
+def _connections_taken(server, n: int = 40, timeout: float = 1.5) -> int:
+    """How many of ``n`` connections opened at once a server subprocess's
+    listen queue takes while it accepts none (the process stopped): the
+    others' handshakes wait for a SYN retransmit."""
+    u = urlsplit(server.url)
+    socks = []
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        sel = selectors.DefaultSelector()
+        for _ in range(n):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex((u.hostname, u.port))
+            sel.register(s, selectors.EVENT_WRITE)
+            socks.append(s)
+        connected, deadline = set(), time.monotonic() + timeout
+        while len(connected) < n and time.monotonic() < deadline:
+            for key, _ in sel.select(deadline - time.monotonic()):
+                if key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                    connected.add(key.fileobj)
+                sel.unregister(key.fileobj)
+        return len(connected)
+    finally:
+        for s in socks:
+            s.close()
+        server.proc.send_signal(signal.SIGCONT)
+
+
+@pytest.fixture
+def connections_taken():
+    """:func:`_connections_taken` (POSIX: it stops the server process)."""
+    if not hasattr(signal, "SIGSTOP"):
+        pytest.skip("needs SIGSTOP")
+    return _connections_taken

@@ -440,6 +440,14 @@ def test_http_generate_retries_connections_reset_unread():
     assert len(resets) == 2 and text == "hi" and sample.tokens == 1
 
 
+def test_bench_servers_listen_alike(tiny_model_path, connections_taken):
+    # The bench's stock server gets the suffix server's listen backlog, so
+    # that server arms compare decoding, not connection retries.
+    for suffix in (False, True):
+        with bench.server_process(str(tiny_model_path), suffix=suffix, blas="reference") as server:
+            assert connections_taken(server) == 40
+
+
 def test_bench_servers_on_two_ranks(tmp_path, tiny_model_path):
     out = tmp_path / "out"
     args = ["bench", "--model", str(tiny_model_path), "--scripted", "--blas", "reference",

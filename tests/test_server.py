@@ -534,43 +534,12 @@ def test_stock_server_unchanged(stock_server):
     assert e.value.code == 404
 
 
-def _connections_taken(server, n=40, timeout=1.5):
-    """How many of ``n`` connections opened at once the server's listen
-    queue takes while the server accepts none (the process stopped): the
-    others' handshakes wait for a SYN retransmit."""
-    import selectors
-    import socket
-
-    u = urlsplit(server.url)
-    socks = []
-    server.proc.send_signal(signal.SIGSTOP)
-    try:
-        sel = selectors.DefaultSelector()
-        for _ in range(n):
-            s = socket.socket()
-            s.setblocking(False)
-            s.connect_ex((u.hostname, u.port))
-            sel.register(s, selectors.EVENT_WRITE)
-            socks.append(s)
-        connected, deadline = set(), time.monotonic() + timeout
-        while len(connected) < n and time.monotonic() < deadline:
-            for key, _ in sel.select(deadline - time.monotonic()):
-                if key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
-                    connected.add(key.fileobj)
-                sel.unregister(key.fileobj)
-        return len(connected)
-    finally:
-        for s in socks:
-            s.close()
-        server.proc.send_signal(signal.SIGCONT)
-
-
-@pytest.mark.skipif(sys.platform == "win32", reason="SIGSTOP")
-def test_suffix_server_takes_many_connections_at_once(stock_server, suffix_server):
+def test_suffix_server_takes_many_connections_at_once(stock_server, suffix_server,
+                                                     connections_taken):
     # Stock listens with socketserver's backlog of 5: more clients at once
     # wait a second or are reset. A suffix server takes them all.
-    assert _connections_taken(stock_server) < 10
-    assert _connections_taken(suffix_server) == 40
+    assert connections_taken(stock_server) < 10
+    assert connections_taken(suffix_server) == 40
     status, _ = suffix_server.post(
         "/v1/chat/completions", {"messages": _messages("hi"), "max_tokens": 4}
     )
