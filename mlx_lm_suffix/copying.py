@@ -59,24 +59,25 @@ class PromptCopy:
 
     def feed(self, tokens: Sequence[int]) -> None:
         """Follow committed output tokens."""
-        prompt = self.prompt
+        prompt, end, grams = self.prompt, len(self.prompt), self._after
+        tail, p, run = self._tail, self.pointer, self.run
         for t in tokens:
             t = int(t)
-            self._tail = (*self._tail, t)[-NGRAM:]
-            p = self.pointer
-            if p is not None and p < len(prompt) and prompt[p] == t:
-                self.pointer, self.run = p + 1, self.run + 1
+            tail = (*tail, t)[-NGRAM:]
+            if p is not None and p < end and prompt[p] == t:
+                p, run = p + 1, run + 1
                 continue
-            if p is not None and self.run > NGRAM:
+            if p is not None and run > NGRAM:
                 self._left, self._gap = p, 0
             self._gap += 1
-            self.pointer = self._join()
-            self.run = NGRAM if self.pointer is not None else 0
+            after = grams.get(tail)
+            p = self._join(after) if after else None
+            run = NGRAM if p is not None else 0
+        self._tail, self.pointer, self.run = tail, p, run
 
-    def _join(self) -> Optional[int]:
-        after = self._after.get(self._tail)
-        if not after:
-            return None
+    def _join(self, after: List[int]) -> Optional[int]:
+        """Where to join among ``after``, the positions after the output's
+        last tokens' occurrences (see the module docstring)."""
         if self._left is None:
             return after[0] if len(after) == 1 else None
         i = bisect.bisect_left(after, self._left)

@@ -280,7 +280,7 @@ class SuffixDrafter:
         occurrence in each estimate, halving a continuation seen once.)"""
         if not tokens:
             return
-        tokens = [int(t) for t in tokens]
+        tokens = list(map(int, tokens))
         with self._lock:
             req = self._active[req_id]
             req.response.extend(tokens)

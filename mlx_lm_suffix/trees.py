@@ -163,8 +163,10 @@ class SuffixTrees:
         knobs = (limit, factor, offset, min_prob, False)
         own = cache._local_trees[req_id].speculate(context, *knobs)
         other = cache._global_tree.speculate(context, *knobs)
-        d = own if (own.match_len, own.score) >= (other.match_len, other.score) else other
-        return d.token_ids, d.probs, d.match_len  # (new lists each read)
+        a, b = own.match_len, other.match_len
+        if a > b or (a == b and own.score >= other.score):
+            return own.token_ids, own.probs, a  # (new lists each read)
+        return other.token_ids, other.probs, b
 
     def draft(self, req_id: int, scope: Hashable, context: List[int], limit: int,
               factor: float, offset: float, min_prob: float) -> Tuple[List[int], List[float], int]:
