@@ -58,6 +58,7 @@ POLICIES = ("adaptive", "whole", "knowing")
 
 
 def records(name: str) -> List[Dict]:
+    """The code edits of set ``name`` (see the module docstring)."""
     if name == "T":
         return workloads.build("code-edit", n=4, max_chars=1500)
     if name == "A":

@@ -48,10 +48,9 @@ def _connections_taken(server, n: int = 40, timeout: float = 1.5) -> int:
     listen queue takes while it accepts none (the process stopped): the
     others' handshakes wait for a SYN retransmit."""
     u = urlsplit(server.url)
-    socks = []
+    socks, sel = [], selectors.DefaultSelector()
     server.proc.send_signal(signal.SIGSTOP)
     try:
-        sel = selectors.DefaultSelector()
         for _ in range(n):
             s = socket.socket()
             s.setblocking(False)
@@ -66,6 +65,7 @@ def _connections_taken(server, n: int = 40, timeout: float = 1.5) -> int:
                 sel.unregister(key.fileobj)
         return len(connected)
     finally:
+        sel.close()
         for s in socks:
             s.close()
         server.proc.send_signal(signal.SIGCONT)
