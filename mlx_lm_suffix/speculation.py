@@ -168,16 +168,13 @@ class Row:
 
     def stepped(self, token: int) -> None:
         """A plain step emitted the pending ``token``: one forward."""
-        if self.req is not None:
-            if not self.ahead:  # (_commit of one token)
-                self._tokens.append(token)
-                if self._draft is not None:
-                    self._watch((token,), self.emitted)
-            self.usage.steps += 1
-            self._steps += 1
+        if not self.ahead:
+            self._commit((token,), self.emitted)
         self.ahead = False
         self.emitted += 1
-        if self._steps >= FLUSH or len(self._tokens) >= FLUSH:
+        self.usage.steps += self.req is not None
+        self._steps += 1
+        if len(self._tokens) >= FLUSH or self._steps >= FLUSH:
             self._flush()
             self.count(steps=0)
 
