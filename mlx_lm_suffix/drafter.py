@@ -350,7 +350,8 @@ class SuffixDrafter:
         (Committed tokens are counted by :meth:`commit`.)"""
         with self._lock:
             probs = draft.probs[:drafted] if draft is not None else []
-            self.stats.count(drafted, accepted, steps, probs)
+            source = draft.source if draft is not None else "tree"
+            self.stats.count(drafted, accepted, steps, probs, source)
             self.stats.host_s += host_s
             if drafted and draft is not None:
                 self.policy.record(draft, drafted, accepted)

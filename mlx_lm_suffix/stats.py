@@ -98,10 +98,21 @@ class DraftStats(Counters):
     expected: float = 0.0
     #: Verified draft length -> number of steps.
     lengths: Dict[int, int] = field(default_factory=dict)
+    #: Per draft source (``tree``, ``copy``, ...): the drafts verified (or
+    #: checked: a first token the plain forward rejected is a draft of
+    #: one), their tokens verified, and those accepted.
+    source_drafts: Dict[str, int] = field(default_factory=dict)
+    source_drafted: Dict[str, int] = field(default_factory=dict)
+    source_accepted: Dict[str, int] = field(default_factory=dict)
+    #: Draft position (0: a draft's first token) -> drafts whose token
+    #: there was accepted (vLLM's ``num_accepted_tokens_per_pos``).
+    accepted_per_position: Dict[int, int] = field(default_factory=dict)
 
-    def count(self, drafted: int, accepted: int, steps: int, probs: Sequence[float]) -> None:
-        """``steps`` forwards that verified ``drafted`` draft tokens (their
-        estimates ``probs``) and accepted ``accepted`` of them."""
+    def count(self, drafted: int, accepted: int, steps: int, probs: Sequence[float],
+              source: str = "tree") -> None:
+        """``steps`` forwards that verified ``drafted`` draft tokens from
+        ``source`` (their estimates ``probs``) and accepted ``accepted`` of
+        them."""
         self.steps += steps
         self.drafted += drafted
         self.accepted += accepted
@@ -109,6 +120,12 @@ class DraftStats(Counters):
             self.draft_steps += 1
             self.expected += sum(probs)
             self.lengths[drafted] = self.lengths.get(drafted, 0) + 1
+            for counts, n in ((self.source_drafts, 1), (self.source_drafted, drafted),
+                              (self.source_accepted, accepted)):
+                counts[source] = counts.get(source, 0) + n
+            per = self.accepted_per_position
+            for i in range(accepted):
+                per[i] = per.get(i, 0) + 1
 
     def as_dict(self) -> Dict[str, Any]:
         d = super().as_dict()
@@ -117,6 +134,7 @@ class DraftStats(Counters):
         d["tokens_per_step"] = _ratio(self.tokens, self.steps)
         d["host_us_per_step"] = 1e6 * _ratio(self.host_s, self.steps)
         d["idle_us_per_wait"] = 1e6 * _ratio(self.idle_s, self.waits)
+        d["mean_acceptance_length"] = 1.0 + _ratio(self.accepted, self.draft_steps)
         return d
 
 
