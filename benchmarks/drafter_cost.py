@@ -22,8 +22,8 @@ timed alone (``perf_counter_ns``). Two kinds of output:
 
 Methods: ``row`` is the product's per-row work in a pipelined step
 (:class:`mlx_lm_suffix.speculation.Row`: ``stepped`` commits the token and
-counts the step, ``propose`` keeps a draft's rest while the output follows
-it, else asks the drafter); ``drafter`` is ``SuffixDrafter.commit`` then
+counts the step; :func:`mlx_lm_suffix.speculation.propose` keeps a draft's
+rest while the output follows it, else asks the drafter); ``drafter`` is ``SuffixDrafter.commit`` then
 ``propose``; ``arctic`` is arctic-inference's ``add_active_response`` and one
 ``speculate`` (lists) on the drafter's cache. Every row count steps the same
 rows (as many as the most rows asked for: one row at a time is 32 groups of
@@ -52,7 +52,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from mlx_lm_suffix import SuffixDrafter
+from mlx_lm_suffix import SuffixDrafter, speculation
 from mlx_lm_suffix.drafter import PROMPT_TAIL_TOKENS
 from mlx_lm_suffix.speculation import Row
 from mlx_lm_suffix.tools.models import get_tokenizer
@@ -145,14 +145,29 @@ def discard(drafter: SuffixDrafter, rid: int) -> None:
         cache.evict_cached_response(rid)
 
 
+class _Unbounded:
+    """A driver whose cache has room for any draft."""
+
+    def __init__(self, drafter: SuffixDrafter):
+        self.policy = drafter.policy
+
+    def room(self) -> float:
+        return math.inf
+
+    def replays(self, width: int) -> bool:
+        return False
+
+
 def row_method(drafter: SuffixDrafter) -> Method:
+    driver = _Unbounded(drafter)
+
     def start(prompt, output):
         return Row(drafter, drafter.start(prompt), K, math.inf), output
 
     def step(st, i):
         row, output = st
         row.stepped(output[i])
-        return row.propose(math.inf, settled=False).tokens
+        return speculation.propose((row,), driver, settled=False)[0].tokens
 
     return start, step, lambda st: discard(drafter, st[0].req)
 

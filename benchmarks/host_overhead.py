@@ -33,8 +33,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 
 from mlx_lm_suffix import SuffixDrafter, suffix_generate_step
-from mlx_lm_suffix.drafter import Draft
 from mlx_lm_suffix.policy import VerifyCost
+from mlx_lm_suffix.sources import Draft
 from mlx_lm_suffix.tools import bench, simulate, workloads
 from mlx_lm_suffix.tools.models import ensure_model
 

@@ -37,9 +37,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx_lm
 
-from mlx_lm_suffix import SuffixDrafter, speculation
-from mlx_lm_suffix.drafter import Draft
+from mlx_lm_suffix import SuffixDrafter, loop, speculation
 from mlx_lm_suffix.policy import VerifyCost
+from mlx_lm_suffix.sources import Draft
 from mlx_lm_suffix.tools import bench, simulate, workloads
 from mlx_lm_suffix.tools.models import ensure_model
 
@@ -77,7 +77,7 @@ def oracle_cost(n_tokens: int, cost: Callable[[int], float]) -> float:
     return total
 
 
-def knowing(driver: simulate._Replay) -> Callable[..., List[int]]:
+def knowing(driver: simulate.Replay) -> Callable[..., List[int]]:
     """``Policy.batch_lengths`` that cuts the replay's draft where the
     answer leaves it."""
     def lengths(drafts: Sequence[Draft], pipelined: bool, replay: bool = False,
@@ -100,12 +100,11 @@ def replay(prompt: List[int], response: List[int], policy: str,
     drafter = SuffixDrafter(cost=known, policy="fixed" if policy == "whole" else "adaptive")
     req = drafter.start(prompt)
     row = speculation.Row(drafter, req, drafter.num_draft_tokens, len(response))
-    driver = simulate._Replay(row, response, drafter.policy, cost, step)
+    driver = simulate.Replay(row, response, drafter.policy, cost, step)
     if policy == "knowing":
         drafter.policy.batch_lengths = knowing(driver)
-    settled = False
-    while row.emitted < len(response):
-        settled = speculation.step(driver, settled)
+    for _ in loop.decode(driver, row):
+        pass
     row.finish()
     return driver.total
 

@@ -9,7 +9,7 @@ Single sequence: the bench's open-ended and code-edit requests (scripted, as
 cold, calibrated :class:`~mlx_lm_suffix.SuffixDrafter`, interleaved; the
 loop's pieces are timed by wrapping them (``perf_counter``):
 
-- ``plain``: a plain step's driver call (``_Single.plain``): the forward's
+- ``plain``: a plain step's target call (``ModelTarget.plain``): the forward's
   graph built (``build``), queued (``mx.async_eval``; on a CPU backend it
   computes there), the previous token read, the row's bookkeeping;
 - ``propose+cut``: the rows' proposals and the policy's cut (a step in
@@ -40,7 +40,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.generate import BatchGenerator
 
-from mlx_lm_suffix import SuffixDrafter, loop, speculation
+from mlx_lm_suffix import SuffixDrafter, loop
 from mlx_lm_suffix.batch import SuffixBatchGenerator
 from mlx_lm_suffix.tools import bench, workloads
 from mlx_lm_suffix.tools.models import ensure_model
@@ -59,7 +59,7 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _instrument() -> None:
-    single = loop._Single
+    single = loop.ModelTarget
     forward = single.forward
 
     def timed_forward(self: Any, inputs: mx.array, quantize: bool = True, single: bool = False):
@@ -72,11 +72,11 @@ def _instrument() -> None:
     single.plain = _timed("plain", single.plain)
     single.verify = _timed("verify", single.verify)
     single.keep = _timed("keep", single.keep)
-    speculation._drafts = _timed("propose+cut", speculation._drafts)
-    speculation.check = _timed("check", speculation.check)
+    loop.plan_row = _timed("propose+cut", loop.plan_row)
+    loop.check = _timed("check", loop.check)
     pending = single.pending
 
-    def timed_pending(self: Any) -> List[int]:
+    def timed_pending(self: Any) -> int:
         # After plain(): the wait for its forward (a check of first tokens).
         checking = self.plain_at is not None
         tic = time.perf_counter()

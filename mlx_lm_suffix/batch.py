@@ -1,15 +1,17 @@
 """Batched suffix decoding on top of mlx-lm's continuous batching.
 
 :class:`SuffixGenerationBatch` is a drop-in ``mlx_lm.generate.GenerationBatch``
-that steps its rows (one per request) through
-:func:`~mlx_lm_suffix.speculation.step`, and :class:`SuffixBatchGenerator` is
-a ``BatchGenerator`` that uses it. Written against mlx-lm 0.32.2.
+whose rows (one per request) draft and verify in one forward per step, and
+:class:`SuffixBatchGenerator` is a ``BatchGenerator`` that uses it. Written
+against mlx-lm 0.32.2.
 
-The batch is the driver of the steps (:class:`~mlx_lm_suffix.speculation.
-Driver`): its plain step is stock's own ``GenerationBatch.next`` (every row
-emits its pending token, the forward after them is queued, rows that finish
-leave); its verification feeds every row's inputs right-padded to the
-longest in one forward of shape ``(B, W)``, with each row's logits
+A step (:meth:`SuffixGenerationBatch.next`): the plain step is stock's own
+``GenerationBatch.next`` (every row emits its pending token, the forward
+after them is queued, rows that finish leave); the rows draft after the
+tokens it fed (:func:`~mlx_lm_suffix.speculation.plan`), its sampled tokens
+check each draft's first (:func:`~mlx_lm_suffix.speculation.check`), and
+the confirmed drafts are verified in one forward of every row's inputs,
+right-padded to the longest, shape ``(B, W)``, with each row's logits
 processors and sampler run per position (:mod:`~mlx_lm_suffix.sampling`).
 Each row then emits its accepted tokens one at a time and in order through
 its stop sequence matcher and ``max_tokens`` count, exactly as stock does (a
@@ -21,10 +23,19 @@ included, are trimmed or rolled into its left padding; recurrent state is
 restored and every row's kept tokens fed again with
 :func:`~mlx_lm_suffix.rollback.replay_rows`).
 
-Prefill is not starved: mlx-lm's ``BatchGenerator._next`` runs one
-generation step, then one prefill chunk (or prompt segment) of every prompt
-being processed, so each chunk waits for one step. While the generator has
-such prompts, a step may take at most :data:`PREFILL_SHARE` of that chunk's
+Between calls a forward runs, as after stock's step: a call goes on until a
+forward is queued and it has tokens to return. :class:`Phase` names where
+the batch stands between two calls: the next call drafts after a queued
+plain forward's tokens (``PLAIN``), reads a queued verification first
+(``HELD``: one row's settled draft, verified with its pending token), or
+starts with a plain step or a settled draft (``STEP``, ``SETTLED``). A
+verification held so is undone before the rows change or a row's cache is
+extracted.
+
+Prefill is not starved: mlx-lm's ``BatchGenerator`` runs one generation
+step, then one prefill chunk (or prompt segment) of every prompt being
+processed, so each chunk waits for one step. While the generator has such
+prompts, a step may take at most :data:`PREFILL_SHARE` of that chunk's
 expected prefill time longer than the stock plain step (the policy's
 ``budget``): a prompt's prefill waits for no verification longer than that
 share of itself. In the step after rows join (it emits their first tokens),
@@ -34,41 +45,38 @@ server's queue, ``requests_waiting``) are not known to the generator yet:
 while there are any, steps verify nothing (a server inserts them between
 its runs of steps).
 
-Between calls a forward runs, as after stock's step: a call that read one
-(a verification, a check of first tokens) queues the next step's first
-forward before it returns; the next call drafts after a plain forward's
-tokens, or reads the verification first (one row drafts after its pending
-token, settled, and verifies both at once). A verification queued so is
-undone before the rows change or a row's cache is extracted.
-
 Invariants kept between steps (the same as stock): ``self.tokens[i]`` equals
 the tokens in row ``i``'s KV cache, which are the prompt plus every emitted
-token (but the positions of a verification queued between calls); the
-pending token is not in the cache.
+token (but the positions of a held verification); the pending token is not
+in the cache.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, Generator, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, GenerationBatch
-from mlx_lm.models.cache import TokenBuffer
 
-from . import rollback, sampling, speculation
+from . import internals, rollback, sampling
 from .drafter import SuffixDrafter
+from .internals import Attached
 from .loop import context_limit
 from .policy.rules import Policy
-from .speculation import Row
-from .stats import BatchDraftStats, RequestUsage
+from .sources import Draft
+from .speculation import RequestOptions, Row, accept, check, cut, plan, plan_row
+from .stats import BatchDraftStats
 
 __all__ = [
-    "RowOptions",
+    "Phase",
+    "RequestOptions",
     "SuffixBatchGenerator",
     "SuffixGenerationBatch",
 ]
@@ -87,53 +95,45 @@ VERIFY_SPANS = 1024
 #: of what plain steps give, while rows already generating keep drafting.
 PREFILL_SHARE = 0.2
 
+_warned: Attached[bool] = Attached()
+
+
+class Phase(enum.Enum):
+    """Where a :class:`SuffixGenerationBatch` stands between two calls of
+    ``next()``: what its next call starts with."""
+
+    #: A plain step: rows joined (their first tokens are pending), or no
+    #: forward is queued and no draft is settled.
+    STEP = "step"
+    #: Drafts after the tokens of the plain forward the last call queued
+    #: (stock's state between calls).
+    PLAIN = "plain"
+    #: Every row's pending token is known and nothing computes (after a
+    #: verification or a check of first tokens): one row drafts after its
+    #: pending token, settled.
+    SETTLED = "settled"
+    #: Reading the verification the last call queued for one row's settled
+    #: draft (its tokens were handed out while it ran).
+    HELD = "held"
+
 
 @dataclass
-class RowOptions:
-    """How one sequence of a :class:`SuffixBatchGenerator` drafts.
+class Verification:
+    """A verification forward over every row's ``inputs`` (right-padded),
+    queued by :meth:`SuffixGenerationBatch.verify` and read by
+    :meth:`~SuffixGenerationBatch.verified`."""
 
-    Args:
-        num_draft_tokens: Most tokens drafted per step; ``0`` turns drafting
-            off (the response is still added to the drafter's cache).
-        scope: The drafter's cache partition (see ``SuffixDrafter.start``).
-        prompt: The whole prompt for the request's own suffix tree. Default:
-            the tokens in the sequence's cache when generation starts, which
-            is the whole prompt when ``all_tokens`` covers any cached prefix.
-        usage: Counters updated in place while the sequence generates.
-        use_drafter: ``False``: the sequence does not touch the drafter at
-            all (no drafting, nothing cached).
-        arrived: ``time.perf_counter()`` when the request arrived: the time
-            it then waits while verifications run is counted in the stats.
-    """
+    started: float  # when it was queued (a caller's time between calls moves it)
+    saved: rollback.Checkpoint  # the cache before it
+    inputs: List[List[int]]
+    drafts: List[Draft]
+    first: int  # 1: each draft's first token was the input it fed first
+    sampled: mx.array  # (B, W)
+    logprobs: mx.array  # (B, W, V)
 
-    num_draft_tokens: Optional[int] = None
-    scope: Hashable = None
-    prompt: Optional[Sequence[int]] = None
-    usage: Optional[RequestUsage] = None
-    use_drafter: bool = True
-    arrived: Optional[float] = None
-
-    def start(self, drafter: Optional[SuffixDrafter], tokens: Sequence[int], max_tokens: int) -> Row:
-        """The row of a sequence with these options, whose cache holds
-        ``tokens``, its drafter request started."""
-        req, k = None, 0
-        if drafter is not None and self.use_drafter:
-            req = drafter.start(self.prompt if self.prompt is not None else tokens, scope=self.scope)
-            k = drafter.num_draft_tokens if self.num_draft_tokens is None else self.num_draft_tokens
-        usage = self.usage if self.usage is not None else RequestUsage()
-        return Row(drafter, req, k, max_tokens, usage)
-
-
-def _warn_no_batch_rollback(model: nn.Module, cache: List[Any]) -> None:
-    """Warn once per model (a server makes a batch for every wave of
-    requests) that its batched cache cannot roll rows back."""
-    if not getattr(model, "_mlx_lm_suffix_batch_warned", False):
-        object.__setattr__(model, "_mlx_lm_suffix_batch_warned", True)
-        logger.warning(
-            "mlx-lm-suffix: batched cache (%s) cannot roll rows back; "
-            "batched requests generate without drafting.",
-            ", ".join(sorted({type(c).__name__ for c in cache})),
-        )
+    @property
+    def width(self) -> int:
+        return max(map(len, self.inputs))
 
 
 def _waited(spans: Deque[Tuple[float, float]], arrived: float) -> float:
@@ -147,99 +147,12 @@ def _waited(spans: Deque[Tuple[float, float]], arrived: float) -> float:
     return waited
 
 
-def _can_draft(batch: "SuffixGenerationBatch") -> bool:
-    """Whether the batch's rows may draft: a drafter, a row with draft
-    tokens, and a cache whose rows roll back."""
-    if batch.drafter is None or not any(
-        row.req is not None and row.num_draft_tokens > 0 for row in batch.rows
-    ):
-        return False
-    if not rollback.supports_batch(batch.prompt_cache):
-        _warn_no_batch_rollback(batch.model, batch.prompt_cache)
-        return False
-    return True
-
-
-def _take_back(batch: "SuffixGenerationBatch") -> None:
-    """Before the rows change between calls: a verification queued by a
-    paused step is undone (its positions leave the cache) and the rows'
-    pending tokens stay theirs, known."""
-    if batch._steps is None:  # (a step is held only after its verification)
-        return
-    inputs, saved = batch._verified[2], batch._verified[1]
-    width = max(map(len, inputs))
-    rollback.undo_rows(batch.prompt_cache, saved, width, [width] * len(inputs))
-    batch._steps, batch._inflight, batch._settled, batch._left = None, None, True, None
-
-
-def _stock_step(batch: "SuffixGenerationBatch") -> List[GenerationBatch.Response]:
-    """Stock's step, after the rest of a step paused with its verification
-    queued (a plain forward queued by the last call is the one stock's step
-    reads)."""
-    steps, batch._steps = batch._steps, None
-    if steps is not None:
-        speculation.finish(steps)
-    batch.plain()
-    batch._settled = batch._queued = False
-    return batch._responses
-
-
-def _emit(batch: "SuffixGenerationBatch", inputs: List[List[int]], accepted: List[int],
-          first: List[int]) -> Tuple[List[List[int]], List[Optional[str]]]:
-    """Each row's emitted tokens after a verification (its first input and
-    the accepted ones, up to the one that finishes it) and its finish
-    reason; the tokens go to the batch's ``tokens`` and the row. Each token
-    is counted and tested in turn as ``GenerationBatch.next`` (mlx-lm
-    0.32.2) tests the one it emits: ``max_tokens``, then the stop
-    sequences."""
-    emitted, finish = [], []
-    for i, (x, a, f) in enumerate(zip(inputs, accepted, first)):
-        reason, out = None, []
-        for t in x[: a + 1]:
-            out.append(t)
-            batch._num_tokens[i] += 1
-            reason = "length" if batch._num_tokens[i] >= batch.max_tokens[i] else None
-            if batch._matchers[i].advance(t):
-                reason = "stop"
-            if reason is not None:
-                break
-        batch.tokens[i].extend(out)
-        batch.rows[i].emit(out, drafted=len(out) - 1 + f)
-        emitted.append(out)
-        finish.append(reason)
-    return emitted, finish
-
-
-def _responses(batch: GenerationBatch, emitted: List[List[int]], finish: List[Optional[str]],
-               prev_logprobs: List[mx.array], logprobs: mx.array) -> List[GenerationBatch.Response]:
-    """The responses of every row's emitted tokens after a verification
-    (the first one's logprobs came with it as the pending token, the
-    others' from the verification), a finished row's last with its cache
-    and tokens."""
-    out = []
-    for i, tokens in enumerate(emitted):
-        n = len(tokens)  # (one split a row, not an array per index)
-        drafted = mx.split(logprobs[i, : n - 1].reshape(-1), n - 1) if n > 1 else []
-        for j, t in enumerate(tokens):
-            done = j == n - 1 and finish[i] is not None
-            out.append(batch.Response(
-                uid=batch.uids[i],
-                token=t,
-                logprobs=prev_logprobs[i] if j == 0 else drafted[j - 1],
-                finish_reason=finish[i] if done else None,
-                prompt_cache=batch.extract_cache(i) if done else None,
-                all_tokens=batch.tokens[i] if done else None,
-            ))
-    return out
-
-
 class SuffixGenerationBatch(GenerationBatch):
     """A ``GenerationBatch`` that verifies per-row suffix drafts in one
-    forward per step (see the module docstring): the batch's driver of
-    :func:`~mlx_lm_suffix.speculation.step`.
+    forward per step (see the module docstring).
 
     Extra keyword arguments (all optional): ``drafter``, ``row_options``
-    (``uid -> RowOptions`` for rows not yet admitted; consumed by
+    (``uid -> RequestOptions`` for rows not yet admitted; consumed by
     :meth:`extend`), ``default_options``, ``max_context`` and ``stats``.
     """
 
@@ -247,32 +160,26 @@ class SuffixGenerationBatch(GenerationBatch):
         self,
         *args: Any,
         drafter: Optional[SuffixDrafter] = None,
-        row_options: Optional[Dict[int, RowOptions]] = None,
-        default_options: Optional[RowOptions] = None,
+        row_options: Optional[Dict[int, RequestOptions]] = None,
+        default_options: Optional[RequestOptions] = None,
         max_context: Optional[int] = None,
         stats: Optional[BatchDraftStats] = None,
         **kwargs: Any,
     ):
         self.drafter = drafter
         self.row_options = row_options if row_options is not None else {}
-        self.default_options = default_options or RowOptions()
+        self.default_options = default_options or RequestOptions()
         self.max_context = max_context
         self.draft_stats = stats if stats is not None else BatchDraftStats()
         #: One row per uid, in the same order.
         self.rows: List[Row] = []
-        # Between steps (see ``next``): the pending tokens are known and
-        # nothing computes; the forward queued and not read ("plain",
-        # "verify"); a step paused after its verification, and when that
-        # call returned; whether the last call ended a step after its plain.
-        self._settled = False
-        self._inflight: Optional[str] = None
-        self._steps: Optional[Generator[None, None, bool]] = None
-        self._left: Optional[float] = None
-        self._queued = False
+        #: What the next call starts with, and the verification it reads
+        #: first (HELD) with when the last call returned.
+        self.phase = Phase.STEP
+        self.held: Optional[Verification] = None
+        self._returned = 0.0
         # Rows that left during a call, finished once its forward is queued.
         self._leaving: Optional[List[Row]] = None
-        self._responses: List[GenerationBatch.Response] = []
-        self._verified: Any = None
         #: ``budget(joined)``: whether a step must be stock's alone (rows
         #: ``joined`` whose first tokens are pending), else the most seconds
         #: it may take beyond a plain step (None: no limit); set by
@@ -299,10 +206,10 @@ class SuffixGenerationBatch(GenerationBatch):
                 self.draft_stats.count_wait(_waited(self._verify_spans, opts.arrived))
 
     def extend(self, batch: GenerationBatch) -> None:
-        _take_back(self)
+        self._undo_held()
         n0 = len(self.uids)
         super().extend(batch)
-        self._settled = False
+        self.phase = Phase.STEP
         if isinstance(batch, SuffixGenerationBatch):
             self.rows.extend(batch.rows)
             batch.rows = []  # now owned by self
@@ -310,7 +217,7 @@ class SuffixGenerationBatch(GenerationBatch):
             self._add_rows(n0)
 
     def filter(self, keep: List[int]) -> None:
-        _take_back(self)
+        self._undo_held()
         kept = set(keep)
         gone = [row for i, row in enumerate(self.rows) if i not in kept]
         if self._leaving is None:
@@ -322,95 +229,161 @@ class SuffixGenerationBatch(GenerationBatch):
         self.rows = [self.rows[i] for i in keep]
 
     def extract_cache(self, idx: int) -> List[Any]:
-        _take_back(self)
+        self._undo_held()
         return super().extract_cache(idx)
 
     def finish_all(self) -> None:
         """Stop every row's drafter request (the rows stay in the batch)."""
-        _take_back(self)
+        self._undo_held()
         for row in self.rows:
             row.finish()
 
-    # ------------------------------------------------------------- steps
-    def _step(self) -> Tuple[List[int], List[mx.array]]:
-        # The stock single-token step: each row emits its pending token.
-        tokens, logprobs = super()._step()
-        if self.rows:  # (stock's constructor feeds the prompts' last tokens)
-            for row, t in zip(self.rows, tokens):
-                row.stepped(t)
-        stats = self.draft_stats
-        stats.plain_steps += 1
-        stats.max_batch_size = max(stats.max_batch_size, len(tokens))
-        return tokens, logprobs
+    def _undo_held(self) -> None:
+        """Before the rows change between calls: a held verification is
+        undone (its positions leave the cache) and the rows' pending
+        tokens stay theirs, known."""
+        if self.held is None:
+            return
+        v, self.held = self.held, None
+        rollback.undo_rows(self.prompt_cache, v.saved, v.width, [v.width] * len(v.inputs))
+        self.phase = Phase.SETTLED
 
+    # ------------------------------------------------------------- steps
     def next(self) -> List[GenerationBatch.Response]:
         self._leaving = []  # (finished once a forward is queued: not the device's wait)
         try:
-            return self._step_rows()
+            return self._call()
         finally:
             leaving, self._leaving = self._leaving, None
             for row in leaving:
                 row.finish()
 
-    def _step_rows(self) -> List[GenerationBatch.Response]:
+    def _call(self) -> List[GenerationBatch.Response]:
+        """One call's steps (see :class:`Phase`)."""
         if not self.uids:
             return []
-        self._responses = []
-        if self._left is not None:  # (the caller's time is not the verification's)
-            tic, *rest = self._verified
-            self._verified = (tic + time.perf_counter() - self._left, *rest)
-            self._left = None
-        if not _can_draft(self):
-            return _stock_step(self)
+        if self.held is not None:  # (the caller's time is not the verification's)
+            self.held.started += time.perf_counter() - self._returned
+        if not self._can_draft():
+            return self._stock_step()
         plain, budget = self.budget(any(row.emitted == 0 for row in self.rows))
         if plain:
             self.draft_stats.yield_steps += 1
-            return _stock_step(self)
-        policy = self.policy
-        policy.ensure_cost(self.model)  # adaptive policy: once per drafter
-        policy.ensure_width(self.model, len(self.uids))
+            return self._stock_step()
+        self.policy.ensure_cost(self.model)  # adaptive policy: once per drafter
+        self.policy.ensure_width(self.model, len(self.uids))
         verified = self.draft_stats.verify_steps
-        steps, self._steps = self._steps, None
-        queued, self._queued = self._queued, False
-        while self.uids:
-            if steps is None:
-                if self._responses and (self._inflight or self.prefilling()):
-                    break  # (prompts prefilled after this call wait for no more)
-                steps = speculation.stepping(self, self._settled, budget, queued)
-                queued = False
-            try:
-                next(steps)
-            except StopIteration as done:
-                self._settled, steps = done.value, None
-                continue
-            if self._inflight and self._responses:
-                # A forward runs while the caller handles these responses,
-                # as after stock's step. A verification's step goes on in the
-                # next call; after a plain forward, the next call drafts
-                # (within its own budget).
-                if self._inflight == "verify":
-                    self._steps, self._left = steps, time.perf_counter()
-                else:
-                    steps.close()
-                    self._settled, self._queued = False, True
-                break
+        out = self._steps(budget)
         if budget is not None:
             if self.draft_stats.verify_steps > verified:
                 self.draft_stats.prefill_verify_steps += 1
             else:
                 self.draft_stats.yield_steps += 1
-        return self._responses
+        return out
 
-    # ------------------------------------------------------------ Driver
-    def pending(self) -> List[int]:
-        if self._inflight == "plain":
-            self.draft_stats.check_steps += 1
-            self._inflight = None
-        return self._next_tokens.tolist()
+    def _steps(self, budget: Optional[float]) -> List[GenerationBatch.Response]:
+        """Steps until a forward is queued and there are tokens to return;
+        or, where prompts are prefilled after this call, until there are
+        tokens (their chunks wait for no further forward)."""
+        out: List[GenerationBatch.Response] = []
+        stats = self.policy.stats
+        while self.uids:
+            if self.phase is Phase.HELD:
+                v, self.held = self.held, None
+                out += self._settle(v)
+                continue
+            if out and self.prefilling():
+                break
+            if self.phase is Phase.SETTLED and len(self.rows) == 1:
+                # One row: draft after its pending token and verify both now
+                # where that pays, read in the next call while the caller
+                # handles this one's tokens.
+                since = time.perf_counter()
+                pending = internals.pending_tokens(self).tolist()
+                self.rows[0].commit_ahead(pending[0])
+                _, draft = plan_row(self.rows[0], self, True, budget)
+                if draft:
+                    stats.waited(time.perf_counter() - since, False)
+                    v = self.verify(pending, [draft], 0)
+                    if out:
+                        self.phase, self.held, self._returned = Phase.HELD, v, time.perf_counter()
+                        break
+                    out += self._settle(v)
+                    continue
+                stats.waited(time.perf_counter() - since, False)
+            if self.phase is not Phase.PLAIN:
+                out += self.plain()
+                self.phase = Phase.PLAIN
+                break
+            out += self._pipelined(budget)
+        return out
 
-    def plain(self) -> None:
-        self._responses += super().next()
-        self._inflight = "plain"
+    def _pipelined(self, budget: Optional[float]) -> List[GenerationBatch.Response]:
+        """After a plain forward queued by the last call: the rows draft
+        after the tokens it fed, its tokens check the drafts' first, and the
+        confirmed ones are verified (the phase after: SETTLED, or STEP where
+        no row drafted)."""
+        rows, stats = self.rows, self.policy.stats
+        _, drafts = plan(rows, self, False, budget)
+        if not any(drafts):
+            self.phase = Phase.STEP
+            return []
+        self.phase = Phase.SETTLED
+        self.draft_stats.check_steps += 1
+        sampled = internals.pending_tokens(self).tolist()  # (waits for the plain forward)
+        since = time.perf_counter()
+        stats.waited(0.0, True)
+        confirmed = [check(r, d, s) for r, d, s in zip(rows, drafts, sampled)]
+        if len(rows) > 1 and any(confirmed) and any(c is not d for c, d in zip(confirmed, drafts)):
+            # One width for the batch: chosen again for the confirmed drafts.
+            confirmed = cut(confirmed, self, False, budget)
+        if not any(confirmed):
+            stats.waited(time.perf_counter() - since, False)
+            return []
+        stats.waited(time.perf_counter() - since, False)
+        return self._settle(self.verify(sampled, confirmed, 1))
+
+    def _stock_step(self) -> List[GenerationBatch.Response]:
+        """Stock's step, after reading a held verification."""
+        out = []
+        if self.held is not None:
+            v, self.held = self.held, None
+            out = self._settle(v)
+        out += self.plain()
+        self.phase = Phase.STEP
+        return out
+
+    def _can_draft(self) -> bool:
+        """Whether the rows may draft: a drafter, a row with draft tokens,
+        and a cache whose rows roll back."""
+        if self.drafter is None or not any(
+            row.req is not None and row.num_draft_tokens > 0 for row in self.rows
+        ):
+            return False
+        if not rollback.supports_batch(self.prompt_cache):
+            if not _warned.get(self.model):
+                # Once per model: a server makes a batch for every wave of requests.
+                _warned.set(self.model, True)
+                logger.warning(
+                    "mlx-lm-suffix: batched cache (%s) cannot roll rows back; "
+                    "batched requests generate without drafting.",
+                    ", ".join(sorted({type(c).__name__ for c in self.prompt_cache})),
+                )
+            return False
+        return True
+
+    # ------------------------------------------------------------ forwards
+    def plain(self) -> List[GenerationBatch.Response]:
+        """Stock's step: every row emits its pending token, the forward
+        after them is queued, rows that finish leave."""
+        rows = self.rows
+        responses = super().next()
+        for row, r in zip(rows, responses):  # (one response a row, in order)
+            row.stepped(r.token)
+        stats = self.draft_stats
+        stats.plain_steps += 1
+        stats.max_batch_size = max(stats.max_batch_size, len(rows))
+        return responses
 
     def room(self) -> float:
         return rollback.room(self.prompt_cache, self.max_context)
@@ -418,12 +391,13 @@ class SuffixGenerationBatch(GenerationBatch):
     def replays(self, width: int) -> bool:
         return rollback.replays(self.prompt_cache, width)
 
-    def verify(self, inputs: List[List[int]]) -> None:
-        """One forward over every row's inputs, right-padded to the longest;
-        logits processors run per position over the row's tokens so far,
-        and each row samples all its positions."""
-        tic = time.perf_counter()
-        self._inflight = "verify"
+    def verify(self, pending: List[int], drafts: List[Draft], first: int) -> Verification:
+        """Queue one forward over each row's ``[pending] + draft[first:]``,
+        right-padded to the longest; logits processors run per position
+        over the row's tokens so far, and each row samples all its
+        positions. The rows' trees grow while it runs."""
+        started = time.perf_counter()
+        inputs = [[p] + d.tokens[first:] for p, d in zip(pending, drafts)]
         width = max(map(len, inputs))
         saved = rollback.checkpoint(self.prompt_cache)
         padded = mx.array([x + [0] * (width - len(x)) for x in inputs], dtype=mx.uint32)
@@ -440,49 +414,92 @@ class SuffixGenerationBatch(GenerationBatch):
             sampling.sample(s or self.fallback_sampler, lp)[0] for s, lp in zip(samplers, logprobs)
         ])
         mx.async_eval(sampled, logprobs)
-        self._verified = (tic, saved, inputs, sampled, logprobs)
+        for row in self.rows:
+            row.grow()
+        return Verification(started, saved, inputs, drafts, first, sampled, logprobs)
 
-    def verified(self) -> List[List[int]]:
-        tic, _, inputs, sampled, logprobs = self._verified
-        self._inflight = None
-        mx.eval(sampled, logprobs)
-        width = max(map(len, inputs))
-        self.policy.observe(width * len(inputs), time.perf_counter() - tic, rows=len(inputs))
-        return sampled.tolist()
+    def _settle(self, v: Verification) -> List[GenerationBatch.Response]:
+        """Read a verification: each row accepts what held, emits it, and
+        its cache goes back to its emitted tokens; the responses."""
+        mx.eval(v.sampled, v.logprobs)
+        self.policy.observe(v.width * len(v.inputs), time.perf_counter() - v.started,
+                            rows=len(v.inputs))
+        targets = v.sampled.tolist()
+        result = time.perf_counter()
+        accepted = [accept(r, d, v.first, t) for r, d, t in zip(self.rows, v.drafts, targets)]
+        out = self.commit(v, accepted)
+        self.policy.stats.waited(time.perf_counter() - result, True)
+        self.phase = Phase.SETTLED
+        return out
 
-    def keep(self, accepted: List[int], first: List[int]) -> None:
-        tic, saved, inputs, sampled, logprobs = self._verified
-        B, W = len(inputs), max(map(len, inputs))
-        emitted, finish = _emit(self, inputs, accepted, first)
+    def commit(self, v: Verification, accepted: List[int]) -> List[GenerationBatch.Response]:
+        """Row ``i`` emits its first ``1 + accepted[i]`` inputs (up to the
+        one that finishes it), the rest leave its cache, and the token
+        sampled after them is its pending token; rows that finish leave.
+        Returns the responses of the emitted tokens."""
+        B, W = len(v.inputs), v.width
+        emitted, finish = [], []
+        for i, (x, a, d) in enumerate(zip(v.inputs, accepted, v.drafts)):
+            out, reason = [], None
+            for t in x[: a + 1]:  # (each token tested as stock's step tests its one)
+                out.append(t)
+                reason = internals.count_token(self, i, t)
+                if reason is not None:
+                    break
+            self.tokens[i].extend(out)
+            self.rows[i].emit(out, len(out) - 1 + (v.first if d else 0), d.source)
+            emitted.append(out)
+            finish.append(reason)
         # Each row's cache back to the tokens it emitted.
-        rejected = [W - len(e) for e in emitted]
-        replayed = rollback.undo_rows(self.prompt_cache, saved, W, rejected)
+        replayed = rollback.undo_rows(self.prompt_cache, v.saved, W, [W - len(e) for e in emitted])
         if replayed:
             rollback.replay_rows(self.model, self.prompt_cache, emitted)
             for row, e in zip(self.rows, emitted):
                 row.replayed(len(e))
-        self.draft_stats.count_verification(W, emitted, accepted, replayed, any(first))
+        self.draft_stats.count_verification(W, emitted, accepted, replayed, bool(v.first))
         if rollback.compact(self.prompt_cache, len(self.uids), COMPACT_LEFT_PADDING):
             self.draft_stats.compactions += 1
 
-        prev_logprobs = self._next_logprobs
-        self._current_tokens = mx.array([x[0] for x in inputs], dtype=mx.uint32)
-        self._current_logprobs = prev_logprobs
-        self._next_tokens = sampled[mx.arange(B), mx.array(accepted)]
-        self._next_logprobs = [logprobs[i, a] for i, a in enumerate(accepted)]
-        responses = _responses(self, emitted, finish, prev_logprobs, logprobs)
+        before = internals.pending_logprobs(self)
+        tokens = v.sampled[mx.arange(B), mx.array(accepted)]
+        logprobs = [v.logprobs[i, a] for i, a in enumerate(accepted)]
+        internals.set_pending(self, mx.array([x[0] for x in v.inputs], dtype=mx.uint32), before,
+                              tokens, logprobs)
+        responses = self._responses(emitted, finish, before, v.logprobs)
         # Now, not later: evaluated after a forward queued on this stream
         # (the next step's, or the caller's reads while it runs), they would
         # wait for it.
-        mx.eval(self._next_tokens, self._next_logprobs, [r.logprobs for r in responses])
-        self._responses += responses
+        mx.eval(tokens, logprobs, [r.logprobs for r in responses])
         keep = [i for i in range(B) if finish[i] is None]
         for i in keep:
             if self.logits_processors and self.logits_processors[i]:
-                self._token_context[i] = TokenBuffer(self.tokens[i])
+                internals.refresh_token_context(self, i)
         if len(keep) < B:
             self.filter(keep)
-        self._verify_spans.append((tic, time.perf_counter()))
+        self._verify_spans.append((v.started, time.perf_counter()))
+        return responses
+
+    def _responses(self, emitted: List[List[int]], finish: List[Optional[str]],
+                   before: List[mx.array], logprobs: mx.array) -> List[GenerationBatch.Response]:
+        """The responses of every row's emitted tokens after a verification
+        (the first one's logprobs came with it as the pending token, the
+        others' from the verification), a finished row's last with its cache
+        and tokens."""
+        out = []
+        for i, tokens in enumerate(emitted):
+            n = len(tokens)  # (one split a row, not an array per index)
+            drafted = mx.split(logprobs[i, : n - 1].reshape(-1), n - 1) if n > 1 else []
+            for j, t in enumerate(tokens):
+                done = j == n - 1 and finish[i] is not None
+                out.append(self.Response(
+                    uid=self.uids[i],
+                    token=t,
+                    logprobs=before[i] if j == 0 else drafted[j - 1],
+                    finish_reason=finish[i] if done else None,
+                    prompt_cache=self.extract_cache(i) if done else None,
+                    all_tokens=self.tokens[i] if done else None,
+                ))
+        return out
 
 
 class SuffixBatchGenerator(BatchGenerator):
@@ -496,14 +513,14 @@ class SuffixBatchGenerator(BatchGenerator):
             (default: ``drafter.num_draft_tokens``).
         options_source: Called as ``options_source(segments, all_tokens)``
             for each sequence inserted without explicit ``options``; returns
-            its :class:`RowOptions` (or ``None`` for the defaults).
+            its :class:`RequestOptions` (or ``None`` for the defaults).
         requests_waiting: Called before each step that could verify: whether
             requests wait to be inserted (a server's queue); then the step
             verifies nothing, as while a prompt waits with no budget.
         kwargs: As for ``BatchGenerator``.
 
     ``insert``/``insert_segments`` take an extra ``options`` argument: one
-    :class:`RowOptions` (or ``None``) per sequence.
+    :class:`RequestOptions` (or ``None``) per sequence.
     """
 
     def __init__(
@@ -512,7 +529,7 @@ class SuffixBatchGenerator(BatchGenerator):
         drafter: SuffixDrafter,
         *,
         num_draft_tokens: Optional[int] = None,
-        options_source: Optional[Callable[[Any, Any], Optional[RowOptions]]] = None,
+        options_source: Optional[Callable[[Any, Any], Optional[RequestOptions]]] = None,
         stats: Optional[BatchDraftStats] = None,
         requests_waiting: Optional[Callable[[], bool]] = None,
         **kwargs: Any,
@@ -521,17 +538,23 @@ class SuffixBatchGenerator(BatchGenerator):
         self.drafter = drafter
         self.options_source = options_source
         self.draft_stats = stats if stats is not None else BatchDraftStats()
-        self._row_options: Dict[int, RowOptions] = {}
+        self._row_options: Dict[int, RequestOptions] = {}
+        self._insert_options: Optional[List[Optional[RequestOptions]]] = None
         batch = SuffixGenerationBatch.empty(self.model, self.sampler)
         batch.drafter = drafter
         batch.row_options = self._row_options
-        batch.default_options = RowOptions(num_draft_tokens=num_draft_tokens)
+        batch.default_options = RequestOptions(num_draft_tokens=num_draft_tokens)
         batch.max_context = context_limit(model)
         batch.draft_stats = self.draft_stats
         batch.budget = self._budget
-        batch.prefilling = lambda: self._prefill_tokens() is not None
+        batch.prefilling = lambda: internals.prefill_tokens(self) is not None
         self.requests_waiting = requests_waiting or (lambda: False)
-        self._generation_batch = batch
+        internals.set_generation_batch(self, batch)
+
+    @property
+    def generation_batch(self) -> SuffixGenerationBatch:
+        """The batch of rows generating."""
+        return internals.generation_batch(self)
 
     def _budget(self, joined: bool) -> Tuple[bool, Optional[float]]:
         """The generation batch's step budget (see the module docstring)."""
@@ -553,42 +576,16 @@ class SuffixBatchGenerator(BatchGenerator):
         return False, 0.0 if self.requests_waiting() else None
 
     def _prefill_ahead(self) -> Optional[float]:
-        """The expected seconds of the prefill that this ``_next`` call runs
-        after its generation step (:meth:`_prefill_tokens`), at the mean
-        prefill time per token so far (``0.0`` before any prefill, or when
-        the prompts only join the generation batch), or None without
-        prompts."""
-        tokens = self._prefill_tokens()
+        """The expected seconds of the prefill that this ``next`` call runs
+        after its generation step (:func:`~mlx_lm_suffix.internals.
+        prefill_tokens`), at the mean prefill time per token so far (``0.0``
+        before any prefill, or when the prompts only join the generation
+        batch), or None without prompts."""
+        tokens = internals.prefill_tokens(self)
         if tokens is None:
             return None
-        counters = self._counters
-        return tokens * counters.prompt_time / counters.prompt_tokens if counters.prompt_tokens else 0.0
-
-    def _prefill_tokens(self) -> Optional[int]:
-        """The prompt tokens that this ``_next`` call prefills after its
-        generation step, or None if it has no prompts. As mlx-lm 0.32.2's
-        ``BatchGenerator._next`` decides: no prompts when the generation
-        batch is full, else those being processed and the waiting ones it
-        admits; the next chunk (up to ``prefill_step_size`` tokens of the
-        current segment) of each, but of those down to their last token,
-        which join the generation batch instead."""
-        room = self.completion_batch_size - len(self._generation_batch)
-        if room <= 0:
-            return None
-        admitted = min(
-            self.prefill_batch_size - len(self._prompt_batch),
-            room,
-            len(self._unprocessed_sequences),
-        )
-        segments = [seq[0] for seq in self._currently_processing]
-        segments += [self._unprocessed_sequences[i][1] for i in range(max(admitted, 0))]
-        if not segments:
-            return None
-        return sum(
-            min(len(s[0]), self.prefill_step_size)
-            for s in segments
-            if not (len(s) == 1 and len(s[0]) == 1)
-        )
+        rate = internals.prefill_seconds_per_token(self)
+        return tokens * rate if rate is not None else 0.0
 
     def insert(self, prompts: List[List[int]], *args: Any, options: Any = None, **kwargs: Any):
         # Stock insert (mlx-lm 0.32.2) passes its arguments on to
@@ -608,10 +605,10 @@ class SuffixBatchGenerator(BatchGenerator):
         samplers: Optional[List[Any]] = None,
         logits_processors: Optional[List[List[Any]]] = None,
         stop_sequences: Optional[List[Any]] = None,
-        options: Optional[List[Optional[RowOptions]]] = None,
+        options: Optional[List[Optional[RequestOptions]]] = None,
     ):
         if options is None:
-            options = getattr(self, "_insert_options", None)
+            options = self._insert_options
         if options is not None and len(options) != len(segments):
             raise ValueError(
                 f"Option options must have one entry per segment: expected "
@@ -642,16 +639,28 @@ class SuffixBatchGenerator(BatchGenerator):
             self._row_options.pop(uid, None)
         return caches
 
-    def _next(self):
+    @contextlib.contextmanager
+    def _abandoned_on_error(self) -> Iterator[None]:
         try:
-            return super()._next()
+            yield
         except BaseException:
             # The generator is unusable now: stop every drafter request.
-            self._generation_batch.finish_all()
+            self.generation_batch.finish_all()
             raise
 
+    def next(self):
+        with self._abandoned_on_error():
+            return super().next()
+
+    def next_generated(self):
+        with self._abandoned_on_error():
+            return super().next_generated()
+
     def close(self):
-        gen = getattr(self, "_generation_batch", None)
+        try:
+            gen = self.generation_batch
+        except AttributeError:  # (a constructor that failed: __del__ closes it)
+            gen = None
         if isinstance(gen, SuffixGenerationBatch):
             gen.finish_all()
         super().close()

@@ -2,27 +2,28 @@
 commit, propose, finish) and the drafter's counters.
 
 One :class:`SuffixDrafter` owns the suffix trees (:mod:`~mlx_lm_suffix.
-trees`: one arctic-inference cache per isolation scope, a single one unless a
-server partitions the cache per user, and the earlier responses it keeps).
-Each active request drafts from its own prompt and output so far and from
-the global tree of earlier responses, and extends drafts with its prompt
-where its output copies the prompt (:mod:`~mlx_lm_suffix.copying`). How much
-of a draft is verified is the policy's (:class:`~mlx_lm_suffix.policy.rules.
-Policy`), not the drafter's.
+sources.trees`: one arctic-inference cache per isolation scope, a single one
+unless a server partitions the cache per user, and the earlier responses it
+keeps). Each active request drafts from its own prompt and output so far and
+from the global tree of earlier responses, and extends drafts with its
+prompt where its output copies the prompt (:mod:`~mlx_lm_suffix.sources.
+prompt_copy`). How much of a draft is verified is the policy's
+(:class:`~mlx_lm_suffix.policy.rules.Policy`), not the drafter's.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
-from .copying import PromptCopy
 from .policy import VerifyCost
 from .policy.rules import Policy
+from .sources import Draft
+from .sources.prompt_copy import PromptCopy
+from .sources.trees import SuffixTrees
 from .stats import DraftStats
-from .trees import SuffixTrees
 
 DEFAULT_NUM_DRAFT_TOKENS = 64
 DEFAULT_MAX_TREE_DEPTH = 96
@@ -52,52 +53,6 @@ class _Private:
 #: The scope of a request that shares nothing with other requests: it drafts
 #: from its own prompt and output only, and no part of it is cached.
 PRIVATE: Hashable = _Private()
-
-
-@dataclass
-class Draft:
-    """Draft tokens, the probability estimate for each, how many context
-    tokens its source matched, and its source (see
-    :data:`~mlx_lm_suffix.policy.Calibration.SOURCES`).
-    A copy that extends the trees' draft also keeps how many leading tokens
-    the trees drafted (``tree_len``) and from what match (``tree_match``):
-    those are calibrated as the trees' draft, the rest as the copy.
-    ``trust``: the proposing request's own record
-    (:class:`~mlx_lm_suffix.policy.calibration.RequestTrust`), if any."""
-
-    tokens: List[int] = field(default_factory=list)
-    probs: List[float] = field(default_factory=list)
-    match_len: int = 0
-    source: str = "tree"
-    tree_len: int = 0
-    tree_match: int = 0
-    trust: Any = field(default=None, repr=False, compare=False)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def truncate(self, n: int) -> "Draft":
-        """The first ``n`` tokens (the draft itself when it has no more;
-        drafts are not changed once proposed)."""
-        if n >= len(self.tokens):
-            return self
-        return replace(self, tokens=self.tokens[:n], probs=self.probs[:n]) if n > 0 else Draft()
-
-    def after(self, n: int, limit: int) -> "Draft":
-        """The rest of the draft once its first ``n`` tokens are committed
-        (at most ``limit`` of it): its estimates given them, from a match
-        ``n`` tokens longer."""
-        q = self.probs[n - 1] if n else 1.0
-        end = n + limit
-        rest = self.probs[n:end]
-        return replace(
-            self,
-            tokens=self.tokens[n:end],
-            probs=[p / q if p < q else 1.0 for p in rest] if q > 0 else [0.0] * len(rest),
-            match_len=self.match_len + n,
-            tree_len=max(0, self.tree_len - n),
-            tree_match=self.tree_match + n,
-        )
 
 
 @dataclass
@@ -307,7 +262,8 @@ class SuffixDrafter:
         that continuation starts with the trees' draft (or the trees have
         none). A copy's estimates are the trees' as far as they draft, then
         the last of them (:data:`COPY_PROB` where the trees have none); its
-        match length is the longer of the trees' match and the copy's run."""
+        match length is the longer of the trees' match and the copy's run
+        (:mod:`~mlx_lm_suffix.sources.prompt_copy`)."""
         limit = self.num_draft_tokens if max_tokens is None else max_tokens
         if limit <= 0:
             return Draft()
@@ -336,31 +292,25 @@ class SuffixDrafter:
             self._trees[req.scope].stop_request(req_id)
             self._trees.keep(req_id, req.scope, req.response)
 
-    def record(
-        self,
-        drafted: int = 0,
-        accepted: int = 0,
-        steps: int = 1,
-        draft: Optional[Draft] = None,
-        host_s: float = 0.0,
-    ) -> None:
-        """Count target forwards and the draft tokens they verified/accepted:
-        the first ``drafted`` tokens of ``draft`` (whose estimates calibrate
-        the policy), and ``host_s`` seconds of drafting and pricing.
-        (Committed tokens are counted by :meth:`commit`.)"""
-        with self._lock:
-            probs = draft.probs[:drafted] if draft is not None else []
-            source = draft.source if draft is not None else "tree"
-            self.stats.count(drafted, accepted, steps, probs, source)
-            self.stats.host_s += host_s
-            if drafted and draft is not None:
-                self.policy.record(draft, drafted, accepted)
+    def drafts(self, reqs: Sequence[int], limits: Sequence[int]) -> List[Draft]:
+        """Each request's draft (:meth:`propose`) of at most ``limits[i]``
+        tokens: the drafter as a :class:`~mlx_lm_suffix.sources.Source`."""
+        return [self.propose(r, k) for r, k in zip(reqs, limits)]
 
-    def record_replay(self, tokens: int) -> None:
-        """Count a replay: the cache restored and ``tokens`` fed again."""
+    def record(self, steps: int = 0, drafted: int = 0, accepted: int = 0,
+               draft: Optional[Draft] = None, held: Optional[int] = None, host_s: float = 0.0,
+               replayed: Optional[int] = None, source: str = "tree", last: int = 0) -> None:
+        """Count ``steps`` target forwards; ``drafted`` tokens of ``draft``
+        verified, of which ``held`` held (the policy learns from their
+        estimates); ``accepted`` draft tokens from ``source`` emitted
+        (negative: taken back of the ``last`` a verification emitted);
+        ``host_s`` seconds of drafting and pricing; a replay of
+        ``replayed`` tokens. (Committed tokens are counted by
+        :meth:`commit`.)"""
         with self._lock:
-            self.stats.replays += 1
-            self.stats.replayed_tokens += tokens
+            self.stats.count(steps, drafted, accepted, draft, host_s, replayed, source, last)
+            if drafted and draft is not None and held is not None:
+                self.policy.record(draft, drafted, held)
 
     # ------------------------------------------------------------ persistence
     def add_responses(self, responses: Iterable[Tuple[Hashable, Sequence[int]]]) -> int:

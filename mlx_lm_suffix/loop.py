@@ -1,14 +1,19 @@
 """The single-sequence generation loop with suffix drafting.
 
+:func:`decode` is the loop, written once, shaped like mlx-lm's
+``speculative_generate_step``: propose, forward, accept, roll back, hand
+out. It steps one :class:`~mlx_lm_suffix.speculation.Row` through the
+forwards of a :class:`Target`: :class:`ModelTarget` runs the model on the
+request's cache (its positions scored as stock scores them,
+:mod:`~mlx_lm_suffix.sampling`; rejected positions undone by
+:mod:`~mlx_lm_suffix.rollback`), and the simulator's replay
+(:mod:`~mlx_lm_suffix.tools.simulate`) plays a recorded answer.
+
 :func:`suffix_generate_step` has the contract of mlx-lm's
 ``speculative_generate_step`` (it yields ``(token, logprobs, from_draft)``)
-and takes the keyword arguments of ``generate_step``, whose prefill it runs.
-It steps one row through :func:`~mlx_lm_suffix.speculation.stepping`,
-yielding each token once a forward after it is queued, as stock's step
-does (a verification's tokens while the next forward runs);
-:class:`_Single` is its driver: the model's forwards on the request's cache,
-its positions scored as stock scores them (:mod:`~mlx_lm_suffix.sampling`),
-rejected positions undone by :mod:`~mlx_lm_suffix.rollback`.
+and takes the keyword arguments of ``generate_step``, whose prefill it runs;
+it yields each token once a forward after it is queued, as stock's step
+does (a verification's tokens while the next forward runs).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from typing import Any, Callable, Generator, Hashable, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Generator, List, Optional, Protocol, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,13 +35,16 @@ from mlx_lm.generate import (
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 
-from . import rollback, sampling, speculation
+from . import rollback, sampling
 from .drafter import SuffixDrafter
+from .internals import Attached
+from .policy.cost import scratch_vocabulary
 from .policy.rules import Policy
-from .speculation import Row
-from .stats import RequestUsage
+from .sources import Draft
+from .speculation import RequestOptions, Row, accept, check, plan_row, resting
 
 Pending = Tuple[mx.array, mx.array]  # (token of shape [1], logprobs of shape [1, V])
+Emitted = Tuple[int, mx.array, bool]  # (token, logprobs, from_draft), as yielded
 
 #: Seconds :func:`quantized_width` may take: it tests widths in turn and
 #: keeps the widest that matched when the time is up (a narrower width is
@@ -45,18 +54,25 @@ Pending = Tuple[mx.array, mx.array]  # (token of shape [1], logprobs of shape [1
 #: the scan), where verifying over it gains nothing anyway.
 KV_PROBE_BUDGET_S = 2.0
 
-def warn_no_rollback(model: nn.Module, cache: List[Any]) -> None:
-    """Warn once per model that its cache cannot roll back, so no drafting."""
-    if getattr(model, "_mlx_lm_suffix_warned", False):
-        return
-    object.__setattr__(model, "_mlx_lm_suffix_warned", True)
-    warnings.warn(
-        f"mlx-lm-suffix: the model's cache ({rollback.describe(cache)}) cannot be "
-        "rolled back, so suffix drafting is off for it; generating one token "
-        "per step as stock mlx-lm does.",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+# What the loop knows of each model: the warnings given, and the widest
+# forward over each quantized KV cache setting.
+_warned: Attached[set] = Attached()
+_kv_widths: Attached[dict] = Attached()
+
+
+def warn_once(model: nn.Module, what: str, message: str, warn: Callable[..., None]) -> None:
+    """``warn(message)`` once per model and ``what``."""
+    seen = _warned.get(model)
+    if seen is None:
+        seen = set()
+        _warned.set(model, seen)
+    if what not in seen:
+        seen.add(what)
+        warn(message)
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def quantized_width(model: nn.Module, bits: int, group_size: int, limit: int) -> int:
@@ -73,12 +89,15 @@ def quantized_width(model: nn.Module, bits: int, group_size: int, limit: int) ->
     to the same entries keep a quantized cache stock's (with OpenBLAS none
     does; with reference BLAS, any). Widths are tested from 2 up for at most
     :data:`KV_PROBE_BUDGET_S` (width 2 always)."""
-    widths = model.__dict__.setdefault("_mlx_lm_suffix_kv_widths", {})
+    widths = _kv_widths.get(model)
+    if widths is None:
+        widths = {}
+        _kv_widths.set(model, widths)
     key = (bits, group_size, limit)
     if key in widths:
         return widths[key]
     deadline = time.perf_counter() + KV_PROBE_BUDGET_S
-    vocab = getattr(getattr(model, "args", None), "vocab_size", 32)
+    vocab = scratch_vocabulary(model)
     context, tokens = mx.arange(64) % vocab, (mx.arange(limit) * 7919 + 3) % vocab
 
     def scratch() -> List[Any]:
@@ -120,11 +139,129 @@ def context_limit(model: nn.Module) -> Optional[int]:
     return getattr(args, "max_position_embeddings", None)
 
 
-class _Single:
-    """The driver of one sequence (:class:`~mlx_lm_suffix.speculation.
-    Driver`). Between steps the cache holds the prompt and every emitted
-    token, as stock's does; ``out`` holds the emitted tokens not yielded
-    yet, with their logprobs and whether they were drafted."""
+# ------------------------------------------------------------------ loop
+class Target(Protocol):
+    """The forwards :func:`decode` runs for one sequence, and its cache.
+    Between steps the cache holds the prompt and every emitted token."""
+
+    policy: Policy
+
+    def pending(self) -> int:
+        """The pending token (waiting for the forward that samples it)."""
+
+    def plain(self) -> None:
+        """The row emits its pending token (:meth:`Row.stepped`) and the
+        forward after it is queued."""
+
+    def verify(self, tokens: List[int]) -> None:
+        """Queue one forward over ``tokens`` (:meth:`verified` reads it;
+        host work that does not need its result runs between)."""
+
+    def verified(self) -> List[int]:
+        """The tokens sampled after each token :meth:`verify` fed."""
+
+    def commit(self, accepted: int, draft: Draft, first: int) -> None:
+        """After :meth:`verified`: the row emits the first ``1 + accepted``
+        tokens fed (:meth:`Row.emit`: ``first`` of them a token of
+        ``draft`` confirmed before, ``accepted`` accepted ones), the rest
+        leave the cache, and the token sampled after them is the pending
+        token."""
+
+    def room(self) -> float:
+        """How many more positions the cache can take and roll back."""
+
+    def replays(self, width: int) -> bool:
+        """Whether a rejection after a forward ``width`` wide may cost feeding
+        the kept tokens again."""
+
+
+def decode(target: Target, row: Row) -> Generator[None, None, None]:
+    """Step ``row`` through ``target``'s forwards until it has emitted its
+    ``max_tokens`` (see :mod:`~mlx_lm_suffix.speculation` for the two kinds
+    of step). Pauses once each forward is queued, where the caller hands
+    out what the row emitted so far (as stock's step yields its token), and
+    before a plain forward that follows a settled step, where nothing
+    computes (a consumer that stops there leaves no forward to take back).
+
+    The device's idle time, from reading a forward's result to queuing the
+    next, goes to the drafter's stats (:meth:`~mlx_lm_suffix.stats.
+    DraftStats.waited`), which the policy prices."""
+    stats = target.policy.stats
+    settled = False
+    while row.emitted < row.max_tokens:
+        early = None
+        if settled:
+            # Draft after the pending token; verify both now where that
+            # pays, else the same draft is the pipelined step's.
+            since = time.perf_counter()
+            pending = target.pending()
+            row.commit_ahead(pending)
+            early, draft = plan_row(row, target, True)
+            if draft:
+                yield from _verify(target, row, pending, draft, 0, since)
+                continue
+            stats.waited(time.perf_counter() - since, False)
+            yield
+        target.plain()
+        yield
+        if early is None and resting((row,)):
+            settled = False
+            continue
+        _, draft = plan_row(row, target, False, proposed=early)
+        if not draft:
+            settled = False
+            continue
+        token = target.pending()  # (waits for the plain forward)
+        since = time.perf_counter()
+        stats.waited(0.0, True)
+        if check(row, draft, token):
+            yield from _verify(target, row, token, draft, 1, since)
+        else:
+            stats.waited(time.perf_counter() - since, False)
+        settled = True
+
+
+def _verify(target: Target, row: Row, token: int, draft: Draft, first: int, since: float
+            ) -> Generator[None, None, None]:
+    """Verify ``token`` and the rest of ``draft`` (``first``: whether its
+    first token is ``token``, confirmed by a plain forward), pausing once
+    the forward is queued and the row's trees have grown; ``since``: when
+    the device last waited for the host."""
+    stats = target.policy.stats
+    stats.waited(time.perf_counter() - since, False)
+    target.verify([token] + draft.tokens[first:])
+    row.grow()
+    yield
+    targets = target.verified()
+    result = time.perf_counter()
+    target.commit(accept(row, draft, first, targets), draft, first)
+    stats.waited(time.perf_counter() - result, True)
+
+
+# ---------------------------------------------------- the model's forwards
+@dataclass
+class Verification:
+    """A verification forward over one sequence's cache: queued by
+    :meth:`ModelTarget.verify`, read by :meth:`~ModelTarget.verified`,
+    committed by :meth:`~ModelTarget.commit`; then what taking back its emitted
+    tokens needs (:meth:`~ModelTarget.take_back`)."""
+
+    saved: rollback.Checkpoint  # the cache before it
+    fed: List[int]
+    tokens: mx.array  # ``fed``, as fed
+    sampled: mx.array
+    logprobs: List[mx.array]  # each position's, 1-D
+    states: Optional[List[mx.array]]  # the random state after each draw
+    started: float  # when it was queued (the consumer's time moves it)
+    targets: Optional[List[int]] = None
+    since: int = 0  # once committed: the positions the cache holds since ``saved``
+    kept: Optional[mx.array] = None  # once committed: the tokens it kept
+
+
+class ModelTarget:
+    """The model's forwards on one request's cache (a :class:`Target`).
+    ``out`` holds the emitted tokens not handed out yet, with their
+    logprobs and whether they were drafted."""
 
     def __init__(
         self,
@@ -138,32 +275,28 @@ class _Single:
         history: mx.array,
         ctx_limit: Optional[int],
         first: Pending,
+        kv_width: int = 1,
     ):
-        self.model, self.cache, self.policy = model, cache, policy
-        self.rows = [row]
+        self.model, self.cache, self.row, self.policy = model, cache, row, policy
         self.sampler, self.processors = sampler, processors
         self.kv_quantization = kv_quantization
         self.history = history  # the tokens in the cache, for logits processors
         self.seen = history  # and the last forward's inputs after them
         self.ctx_limit = ctx_limit
         #: The widest forward over the quantized cache (see :func:`quantized_width`).
-        self.kv_width = 1
+        self.kv_width = kv_width
         # The pending token and its logprobs, evaluated: the consumer reads
         # them while a forward queued after them runs (its own reads wait
         # for nothing queued on this stream).
         self.y, self.logprobs = first[0], first[1].squeeze(0)
         mx.eval(self.logprobs)
-        self.out: List[Tuple[int, mx.array, bool]] = []
-        # The last verification: until keep(), what it fed and sampled;
-        # after, what taking back its emitted tokens needs.
-        self._verified: Any = None
+        self.out: List[Emitted] = []
+        #: The verification queued and not read yet, and the last one kept.
+        self.queued: Optional[Verification] = None
+        self.last: Optional[Verification] = None
         # When the last plain step's token was ready (None: the next plain
-        # step follows something else, so it is not timed); when the
-        # verification queued and not read yet was built, and what reading
-        # it or taking it back needs.
+        # step follows something else, so it is not timed).
         self.plain_at: Optional[float] = None
-        self.verify_at: Optional[float] = None
-        self._queued: Any = None
 
     def forward(self, inputs: mx.array, quantize: bool = True, single: bool = False
                 ) -> Tuple[mx.array, mx.array, Any]:
@@ -185,17 +318,17 @@ class _Single:
         y, states = sampling.sample(self.sampler, logprobs)
         return y, logprobs, states
 
-    def fed(self, n: int) -> None:
+    def _in_cache(self, n: int) -> None:
         """The first ``n`` inputs of the last :meth:`forward` are in the
         cache now."""
         if self.processors:
             kept = self.history.size + n
             self.history = self.seen if kept == self.seen.size else self.seen[:kept]
 
-    # ------------------------------------------------------------- Driver
-    def pending(self) -> List[int]:
+    # ------------------------------------------------------------- Target
+    def pending(self) -> int:
         self.plain_at = None
-        return [self.y.item()]
+        return self.y.item()
 
     def plain(self) -> None:
         tok, logprobs = self.y, self.logprobs
@@ -205,48 +338,45 @@ class _Single:
         ready = time.perf_counter()
         if self.plain_at is not None:
             # From one plain step's token to the next's, the consumer's time
-            # excluded (the generator moves plain_at past it): a plain
-            # step's wall time, as a verification's is its forward's.
+            # excluded (consumer_time moves plain_at past it): a plain step's
+            # wall time, as a verification's is its forward's.
             self.policy.observe_plain(ready - self.plain_at)
         self.plain_at = ready
-        self.fed(1)
+        self._in_cache(1)
         self.out.append((t, logprobs, False))
-        self.rows[0].stepped(t)
+        self.row.stepped(t)
 
-    def verify(self, inputs: List[List[int]]) -> None:
+    def verify(self, tokens: List[int]) -> None:
         self.plain_at = None
-        tokens = mx.array(inputs[0], mx.uint32)
+        fed = mx.array(tokens, mx.uint32)
         saved = rollback.checkpoint(self.cache)
-        self.verify_at = time.perf_counter()
-        y, logprobs, states = self.forward(tokens, quantize=False)
+        started = time.perf_counter()
+        y, logprobs, states = self.forward(fed, quantize=False)
         # Each position's logprobs, 1-D (one split, not an index each), with
         # the tokens: the consumer reads them while the next forward runs.
-        logprobs = mx.split(logprobs.reshape(-1), tokens.size)
+        logprobs = mx.split(logprobs.reshape(-1), fed.size)
         mx.async_eval(y, logprobs)
-        self._queued = (saved, tokens, inputs[0], y, logprobs, states)
+        self.queued = Verification(saved, tokens, fed, y, logprobs, states, started)
 
-    def verified(self) -> List[List[int]]:
-        saved, tokens, fed, y, logprobs, states = self._queued
-        targets = y.tolist()
-        self.policy.observe(tokens.size, time.perf_counter() - self.verify_at)
-        self._queued = self.verify_at = None
-        self._verified = (saved, tokens, fed, logprobs, targets, states)
-        return [targets]
+    def verified(self) -> List[int]:
+        v, self.queued = self.queued, None
+        v.targets = v.sampled.tolist()
+        self.policy.observe(v.tokens.size, time.perf_counter() - v.started)
+        self.last = v
+        return v.targets
 
-    def keep(self, accepted: List[int], first: List[int]) -> None:
-        a, first = accepted[0], first[0]
-        saved, tokens, fed, logprobs, targets, states = self._verified
-        kept = tokens[: a + 1]
-        since = self._undo(saved, tokens.size, tokens.size - a - 1, kept)
+    def commit(self, accepted: int, draft: Draft, first: int) -> None:
+        v, a = self.last, accepted
+        v.kept = v.tokens[: a + 1]
+        v.since = self._undo(v.saved, v.tokens.size, v.tokens.size - a - 1, v.kept)
         maybe_quantize_kv_cache(self.cache, *self.kv_quantization)
-        sampling.rewind(states, a + 1)
-        self.fed(a + 1)
-        emitted = fed[: a + 1]  # (the list: reading ``kept`` would wait for an evaluation)
+        sampling.rewind(v.states, a + 1)
+        self._in_cache(a + 1)
+        emitted = v.fed[: a + 1]  # (the list: reading ``kept`` would wait for an evaluation)
         self.out.append((emitted[0], self.logprobs, bool(first)))
-        self.out.extend(zip(emitted[1:], logprobs[:a], [True] * a))
-        self.rows[0].emit(emitted, drafted=a + first)
-        self.y, self.logprobs = mx.array([targets[a]], mx.uint32), logprobs[a]
-        self._verified = (saved, since, kept)
+        self.out.extend(zip(emitted[1:], v.logprobs[:a], [True] * a))
+        self.row.emit(emitted, a + first, draft.source)
+        self.y, self.logprobs = mx.array([v.targets[a]], mx.uint32), v.logprobs[a]
 
     def room(self) -> float:
         n = rollback.room(self.cache, self.ctx_limit)
@@ -267,7 +397,7 @@ class _Single:
     def replays(self, width: int) -> bool:
         return rollback.replays(self.cache, width)
 
-    # --------------------------------------------------------------------
+    # ------------------------------------------------------------ consumer
     def _undo(self, saved: rollback.Checkpoint, n: int, rejected: int, kept: mx.array) -> int:
         """Drop the last ``rejected`` of the ``n`` positions fed since
         ``saved``; where the cache went back to ``saved``, feed ``kept``
@@ -275,32 +405,45 @@ class _Single:
         if rollback.undo(self.cache, saved, n, rejected):
             if kept.size:
                 self.model(kept[None], cache=self.cache)
-            self.rows[0].replayed(kept.size)
+            self.row.replayed(kept.size)
             return kept.size
         return n - rejected
 
-    def away(self, seconds: float) -> None:
+    def consumer_time(self, seconds: float) -> None:
         """The consumer held the loop for ``seconds``: not a forward's time
         (the plain step's or the queued verification's being timed)."""
         if self.plain_at is not None:
             self.plain_at += seconds
-        if self.verify_at is not None:
-            self.verify_at += seconds
+        if self.queued is not None:
+            self.queued.started += seconds
 
-    def take_back(self, unyielded: List[Tuple[int, mx.array, bool]]) -> None:
+    def take_back(self, unyielded: List[Emitted]) -> None:
         """The consumer stopped before the ``unyielded`` emitted tokens:
         they leave the cache (they are the last verification's) and the
         row's counts, and so does a verification queued after them (its
         every position)."""
-        if self._queued is not None:
-            saved, tokens = self._queued[:2]
-            rollback.undo(self.cache, saved, tokens.size, tokens.size)
-            self._queued = None
+        if self.queued is not None:
+            q, self.queued = self.queued, None
+            rollback.undo(self.cache, q.saved, q.tokens.size, q.tokens.size)
         n = len(unyielded)
         if n:
-            saved, since, kept = self._verified
-            self._undo(saved, since, n, kept[: kept.size - n])
-            self.rows[0].take_back(n, sum(d for _, _, d in unyielded))
+            v = self.last
+            self._undo(v.saved, v.since, n, v.kept[: v.kept.size - n])
+            self.row.take_back(n, sum(d for _, _, d in unyielded))
+
+    def hand_out(self) -> Generator[Emitted, None, None]:
+        """Yield the emitted tokens (the consumer's time kept out of the
+        forwards' timing: :meth:`consumer_time`); a consumer that stops takes back
+        what it was not given (:meth:`take_back`)."""
+        out, self.out = self.out, []
+        for i, item in enumerate(out):
+            try:
+                yielded = time.perf_counter()
+                yield item
+            except GeneratorExit:
+                self.take_back(out[i + 1 :])
+                raise
+            self.consumer_time(time.perf_counter() - yielded)
 
 
 def _prefill(
@@ -358,63 +501,23 @@ def _draft_limit(drafter: SuffixDrafter, model: nn.Module, cache: List[Any],
     if num_draft_tokens < 0:
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
     if num_draft_tokens > 0 and not rollback.supports(cache):
-        warn_no_rollback(model, cache)
+        warn_once(model, "rollback", (
+            f"mlx-lm-suffix: the model's cache ({rollback.describe(cache)}) cannot be "
+            "rolled back, so suffix drafting is off for it; generating one token "
+            "per step as stock mlx-lm does."), _warn)
         num_draft_tokens = 0
     if num_draft_tokens == 0:
         return 0, 1
     drafter.policy.ensure_cost(model)
     _, group_size, bits = kv
     width = 1 if bits is None else quantized_width(model, bits, group_size, num_draft_tokens + 1)
-    if bits is not None and width == 1 and not getattr(model, "_mlx_lm_suffix_kv_warned", False):
-        object.__setattr__(model, "_mlx_lm_suffix_kv_warned", True)
-        warnings.warn(
+    if bits is not None and width == 1:
+        warn_once(model, "kv_bits", (
             f"mlx-lm-suffix: on this machine a forward over more than one token quantizes "
             f"keys and values (kv_bits={bits}) other than one-token steps do, which moves "
             "greedy output away from stock's: drafts are verified only until the cache is "
-            "quantized (quantized_kv_start), then one token per step as stock.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+            "quantized (quantized_kv_start), then one token per step as stock."), _warn)
     return num_draft_tokens, width
-
-
-def _run(driver: _Single, limit: float) -> Generator[Tuple[int, mx.array, bool], None, None]:
-    """Step the driver's row until it has emitted ``limit`` tokens, yielding
-    the emitted tokens at the steps' pauses
-    (:func:`~mlx_lm_suffix.speculation.stepping`): a plain step's token once
-    the forward after it is queued, as stock's step does, and a
-    verification's tokens once the next forward is (or, where the next step
-    drafts nothing, before its plain forward); the last ones at the end. A
-    consumer that stops takes back what it was not given
-    (:meth:`_Single.take_back`)."""
-    row, settled = driver.rows[0], False
-    while row.emitted < limit:
-        before = row.emitted
-        steps = speculation.stepping(driver, settled)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                settled = done.value
-                break
-            yield from _hand_out(driver)
-        if before // 256 != row.emitted // 256:
-            mx.clear_cache()
-    yield from _hand_out(driver)
-
-
-def _hand_out(driver: _Single) -> Generator[Tuple[int, mx.array, bool], None, None]:
-    """Yield the driver's emitted tokens (the consumer's time kept out of
-    the forwards' timing: :meth:`_Single.away`)."""
-    out, driver.out = driver.out, []
-    for i, item in enumerate(out):
-        try:
-            yielded = time.perf_counter()
-            yield item
-        except GeneratorExit:
-            driver.take_back(out[i + 1 :])
-            raise
-        driver.away(time.perf_counter() - yielded)
 
 
 def _check_prompt(prompt: mx.array) -> None:
@@ -444,10 +547,8 @@ def suffix_generate_step(
     kv_group_size: int = 64,
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
-    draft_prompt: Optional[Sequence[int]] = None,
-    draft_scope: Hashable = None,
-    draft_usage: Optional[RequestUsage] = None,
-) -> Generator[Tuple[int, mx.array, bool], None, None]:
+    options: Optional[RequestOptions] = None,
+) -> Generator[Emitted, None, None]:
     """Generate tokens with suffix drafting and greedy (or sampled) verification.
 
     Args:
@@ -455,10 +556,9 @@ def suffix_generate_step(
         drafter: The :class:`SuffixDrafter` whose caches draft the tokens.
         num_draft_tokens: Most tokens drafted per step (default: the drafter's).
         max_tokens: Tokens to generate; ``-1`` for no limit.
-        draft_prompt: The whole prompt for the request's own suffix tree when
-            ``prompt`` is only its uncached tail (default: ``prompt``).
-        draft_scope, draft_usage: The drafter's cache partition (e.g. a user
-            id); the request's counts, updated as it generates.
+        options: The request's drafting options (its cache scope, its whole
+            prompt where ``prompt`` is only its uncached tail, its counts;
+            their ``num_draft_tokens``, where set, over the argument's).
         Other arguments: as for ``mlx_lm.generate.generate_step``.
 
     Yields:
@@ -468,20 +568,27 @@ def suffix_generate_step(
     limit = max_tokens if max_tokens >= 0 else math.inf
     if limit == 0:
         return
+    options = options or RequestOptions()
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, max_kv_size)
     kv_quantization = (quantized_kv_start, kv_group_size, kv_bits)
+    if options.num_draft_tokens is not None:
+        num_draft_tokens = options.num_draft_tokens
     num_draft_tokens, kv_width = _draft_limit(drafter, model, cache, num_draft_tokens,
                                               kv_quantization)
     prompt, sampler = prompt.astype(mx.uint32), sampler or greedy_sampler
-    req = drafter.start(prompt.tolist() if draft_prompt is None else draft_prompt, draft_scope)
-    row = Row(drafter, req, num_draft_tokens, limit, draft_usage or RequestUsage())
+    row = replace(options, num_draft_tokens=num_draft_tokens).start(drafter, prompt.tolist(), limit)
     with mx.stream(stream):
         try:
             first = _prefill(model, cache, prompt, sampler, logits_processors, kv_quantization,
                              stream, prefill_step_size, prompt_progress_callback)
-            driver = _Single(model, cache, row, drafter.policy, sampler, logits_processors,
-                             kv_quantization, prompt, context_limit(model), first)
-            driver.kv_width = kv_width
-            yield from _run(driver, limit)
+            target = ModelTarget(model, cache, row, drafter.policy, sampler, logits_processors,
+                                 kv_quantization, prompt, context_limit(model), first, kv_width)
+            cleared = 0
+            for _ in decode(target, row):
+                yield from target.hand_out()
+                if row.emitted // 256 != cleared:
+                    cleared = row.emitted // 256
+                    mx.clear_cache()
+            yield from target.hand_out()
         finally:
             row.finish()

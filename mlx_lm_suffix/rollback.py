@@ -49,6 +49,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models import cache as _cache
 
+from . import internals
+
 
 def _saved(state: Any) -> Any:
     # New handles, sharing the data: an ArraysCache's layers assign into its
@@ -177,9 +179,8 @@ class Rows(Kind):
     positions into its left padding (the move ``finalize`` makes for
     right-padded prompts)."""
 
-    # mlx-lm 0.32.2 fields: _idx (the buffer's filled length, an int, so
-    # read without waiting: each row's ``offset`` is an array the queued
-    # forward produces), left_padding (per row, an array).
+    # mlx-lm 0.32.2 fields: left_padding (per row, an array); its filled
+    # length (internals.filled).
 
     def trim_rows(self, c: Any, n: int, extra: Sequence[int]) -> None:
         self.trim(c, n)
@@ -188,7 +189,7 @@ class Rows(Kind):
             self.finalize(c)
 
     def length(self, c: Any) -> Optional[int]:
-        return c._idx
+        return internals.filled(c)
 
     def padding(self, c: Any) -> int:
         """The left padding every row holds (:func:`compact`; waits for
@@ -200,17 +201,16 @@ class BatchWindow(Kind):
     """``BatchRotatingKVCache``: trim every row as :class:`Rows` does, also
     once wrapped; restore where another layer restores."""
 
-    # mlx-lm 0.32.2 fields: keys, values (the buffer), _idx (its write index),
-    # _offset (an int: positions fed, padding included, since the batch
-    # cache was made; merge starts it at the buffer's length), left_padding
-    # (per row, an array), _temporal_order() (the buffer put in time order).
+    # mlx-lm 0.32.2 fields: left_padding (per row, an array); its buffer,
+    # write index and positions fed (internals: time_order,
+    # cut_window_buffer, window_fed).
 
     def save(self, c: Any) -> Any:
         # In time order first, as its multi-token update would do (so at no
         # extra cost): make_mask builds the mask before that update, from
         # the rotated buffer, and then masks one position too many of a row
         # still holding left padding.
-        c._temporal_order()
+        internals.time_order(c)
         return _saved(c.state)
 
     def rewind(self, c: Any, saved: Any, fed: int) -> None:
@@ -220,7 +220,7 @@ class BatchWindow(Kind):
         self.trim(c, n)
         # Its multi-token update left the buffer in time order; mlx-lm's next
         # one-token update sizes the window by the buffer, so drop the tail.
-        c.keys, c.values = c.keys[..., : c._idx, :], c.values[..., : c._idx, :]
+        internals.cut_window_buffer(c)
         if any(extra):
             # finalize rolls each row by how far its offset then is past its
             # offset now plus ``lengths``: by ``extra``.
@@ -235,7 +235,7 @@ class BatchWindow(Kind):
         c.finalize()
 
     def length(self, c: Any) -> Optional[int]:
-        return c._offset
+        return internals.window_fed(c)
 
 
 TRIM, WINDOW, RECURRENT, ROWS, BATCH_WINDOW = Trim(), Window(), Recurrent(), Rows(), BatchWindow()

@@ -7,7 +7,7 @@ A *step* is one forward of the target model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Sequence, TypeVar
+from typing import Any, Dict, Optional, Sequence, TypeVar
 
 C = TypeVar("C", bound="Counters")
 
@@ -108,24 +108,41 @@ class DraftStats(Counters):
     #: there was accepted (vLLM's ``num_accepted_tokens_per_pos``).
     accepted_per_position: Dict[int, int] = field(default_factory=dict)
 
-    def count(self, drafted: int, accepted: int, steps: int, probs: Sequence[float],
-              source: str = "tree") -> None:
-        """``steps`` forwards that verified ``drafted`` draft tokens from
-        ``source`` (their estimates ``probs``) and accepted ``accepted`` of
-        them."""
+    def count(self, steps: int = 0, drafted: int = 0, accepted: int = 0, draft: Any = None,
+              host_s: float = 0.0, replayed: Optional[int] = None, source: str = "tree",
+              last: int = 0) -> None:
+        """The one writer of these counts but ``requests``, ``tokens``
+        (the drafter's lifecycle) and the waits (:meth:`waited`): ``steps``
+        forwards; ``drafted`` tokens of ``draft`` (a
+        :class:`~mlx_lm_suffix.sources.Draft`) verified; ``accepted`` draft
+        tokens from ``source`` emitted, at a draft's first positions
+        (negative: taken back from the ``last`` a verification emitted);
+        ``host_s`` seconds of drafting; a replay of ``replayed`` tokens."""
         self.steps += steps
-        self.drafted += drafted
-        self.accepted += accepted
+        self.host_s += host_s
+        if replayed is not None:
+            self.replays += 1
+            self.replayed_tokens += replayed
         if drafted:
+            origin = draft.source if draft is not None else source
+            self.drafted += drafted
             self.draft_steps += 1
-            self.expected += sum(probs)
+            self.expected += sum(draft.probs[:drafted]) if draft is not None else 0.0
             self.lengths[drafted] = self.lengths.get(drafted, 0) + 1
-            for counts, n in ((self.source_drafts, 1), (self.source_drafted, drafted),
-                              (self.source_accepted, accepted)):
-                counts[source] = counts.get(source, 0) + n
-            per = self.accepted_per_position
-            for i in range(accepted):
-                per[i] = per.get(i, 0) + 1
+            self.source_drafts[origin] = self.source_drafts.get(origin, 0) + 1
+            self.source_drafted[origin] = self.source_drafted.get(origin, 0) + drafted
+        if accepted:
+            self.accepted += accepted
+            self.source_accepted[source] = self.source_accepted.get(source, 0) + accepted
+            per, one = self.accepted_per_position, 1 if accepted > 0 else -1
+            for i in range(accepted) if accepted > 0 else range(last + accepted, last):
+                per[i] = per.get(i, 0) + one
+
+    def waited(self, seconds: float, wait: bool) -> None:
+        """The host worked ``seconds`` while the device waited for it
+        (``wait``: a new wait, after reading a forward's result)."""
+        self.waits += wait
+        self.idle_s += seconds
 
     def as_dict(self) -> Dict[str, Any]:
         d = super().as_dict()

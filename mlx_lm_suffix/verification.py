@@ -10,7 +10,7 @@ point-mass draft this is lossless for greedy and sampled decoding alike.
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import Sequence
 
 
 def accepted_length(draft: Sequence[int], target: Sequence[int]) -> int:
@@ -30,11 +30,3 @@ def accepted_length(draft: Sequence[int], target: Sequence[int]) -> int:
             break
         n += 1
     return n
-
-
-def committed_tokens(draft: Sequence[int], target: Sequence[int]) -> Tuple[List[int], int]:
-    """Tokens a verification step commits, and how many came from the draft.
-
-    Returns ``(draft[:a] + [target[a]], a)`` with ``a = accepted_length``."""
-    a = accepted_length(draft, target)
-    return list(draft[:a]) + [int(target[a])], a

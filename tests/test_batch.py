@@ -16,7 +16,8 @@ from mlx_lm.sample_utils import make_logits_processors
 from test_families import _assert_cache_is_fresh_prefill
 from test_loop import WrongFirstToken, _Wrapper
 
-from mlx_lm_suffix.batch import RowOptions, SuffixBatchGenerator
+from mlx_lm_suffix import internals
+from mlx_lm_suffix.batch import RequestOptions, SuffixBatchGenerator
 from mlx_lm_suffix.drafter import SuffixDrafter
 from mlx_lm_suffix.policy import VerifyCost
 from mlx_lm_suffix.speculation import Row
@@ -136,7 +137,7 @@ def test_a_forward_runs_while_the_caller_handles_a_verification(model_and_tokeni
     gen.model.inner.set_dtype(mx.float32)
 
     def after_step():
-        calls.append((forwards[:], len(gen._generation_batch)))
+        calls.append((forwards[:], len(gen.generation_batch)))
         forwards.clear()
 
     tokens, _ = _run(gen, prompts, [MAX_TOKENS] * len(prompts), after_step=after_step)
@@ -165,23 +166,21 @@ def test_a_row_left_alone_drafts_while_its_forward_runs(model_and_tokenizer, pro
             events.append(sys._getframe(1).f_code.co_name)  # _step: a plain forward
             return self.inner(inputs, cache=cache, **kw)
 
-    propose = Row.propose
+    ask, read = Row.ask, internals.pending_tokens
 
-    def spy_propose(self, *args, **kwargs):
+    def spy_ask(self, *args, **kwargs):
         events.append("propose")
-        return propose(self, *args, **kwargs)
+        return ask(self, *args, **kwargs)
 
-    monkeypatch.setattr(Row, "propose", spy_propose)
+    def spy_read(batch):
+        events.append("read")
+        return read(batch)
+
+    monkeypatch.setattr(Row, "ask", spy_ask)
+    monkeypatch.setattr(internals, "pending_tokens", spy_read)
     for short in range(3, 12):
         ref, _ = _stock_run(model, tokenizer, pair, [short, MAX_TOKENS])
         gen = _suffix_gen(Spy(model), tokenizer, drafter)
-        batch = gen._generation_batch
-
-        def pending(read=batch.pending):
-            events.append("read")
-            return read()
-
-        batch.pending = pending
         events.clear()
         tokens, _ = _run(gen, pair, [short, MAX_TOKENS])
         gen.close()
@@ -227,7 +226,7 @@ def test_rows_that_finish_leave_after_the_next_forward_is_queued(model_and_token
     gen = _suffix_gen(Spy(model), tokenizer, drafter)
 
     def after_step():
-        calls.append((events[:], len(gen._generation_batch)))
+        calls.append((events[:], len(gen.generation_batch)))
         events.clear()
 
     cached = drafter.cached_requests
@@ -279,7 +278,7 @@ def test_rows_accepting_different_counts(model_and_tokenizer, prompts):
         gen,
         prompts,
         [MAX_TOKENS] * len(prompts),
-        options=[RowOptions(usage=u) for u in usages],
+        options=[RequestOptions(usage=u) for u in usages],
     )
     gen.close()
     assert tokens == ref
@@ -377,11 +376,11 @@ def test_per_row_max_tokens_and_draft_options(model_and_tokenizer, prompts):
     _run(gen, prompts, [MAX_TOKENS] * len(prompts))
     usages = [RequestUsage() for _ in prompts]
     options = [
-        RowOptions(usage=usages[0]),
-        RowOptions(num_draft_tokens=0, usage=usages[1]),  # drafting off
-        RowOptions(num_draft_tokens=2, usage=usages[2]),
-        RowOptions(usage=usages[3]),
-        RowOptions(use_drafter=False, usage=usages[4]),  # no drafter at all
+        RequestOptions(usage=usages[0]),
+        RequestOptions(num_draft_tokens=0, usage=usages[1]),  # drafting off
+        RequestOptions(num_draft_tokens=2, usage=usages[2]),
+        RequestOptions(usage=usages[3]),
+        RequestOptions(use_drafter=False, usage=usages[4]),  # no drafter at all
         None,
     ]
     n_cached = drafter.cached_requests
@@ -494,22 +493,22 @@ def test_rows_change_while_one_rows_verification_runs(model_and_tokenizer, promp
     _run(_suffix_gen(model, tokenizer, drafter), trio, [MAX_TOKENS] * 3)  # answers cached
 
     def until_held(gen, out):
-        batch = gen._generation_batch
+        batch = gen.generation_batch
         while responses := gen.next_generated():
             for r in responses:
                 out.setdefault(r.uid, []).append(r.token)
-            if batch._inflight == "verify":
+            if batch.held is not None:
                 return True
         return False
 
     gen = _suffix_gen(model, tokenizer, drafter)
-    batch = gen._generation_batch
+    batch = gen.generation_batch
     [first] = gen.insert(trio[:1], [MAX_TOKENS])
     out = {}
     assert until_held(gen, out)
     cache, tokens = gen.extract_cache([first])[first]
     assert cache[0].offset == len(tokens) == len(batch.tokens[0])
-    assert batch._inflight is None
+    assert batch.held is None
     assert until_held(gen, out)
     later = gen.insert(trio[1:], [MAX_TOKENS] * 2)
     until_held(gen, out)
@@ -521,7 +520,7 @@ def test_rows_change_while_one_rows_verification_runs(model_and_tokenizer, promp
     out = {}
     assert until_held(gen, out)
     gen.remove([only])
-    assert len(gen._generation_batch) == 0 and gen.next_generated() == []
+    assert len(gen.generation_batch) == 0 and gen.next_generated() == []
     gen.close()
     assert out[only] == ref[0][: len(out[only])]
     assert drafter.active_requests == 0
@@ -552,18 +551,18 @@ def test_arriving_prompt_waits_for_no_verification(model_and_tokenizer, prompts)
 
     while stats.verify_steps == 0:
         step()
-    start, end = gen._generation_batch._verify_spans[-1]
+    start, end = gen.generation_batch._verify_spans[-1]
     arrived = (start + end) / 2  # during that verification
     third = len(late) // 3
     segments = [late[:third], late[third : 2 * third], late[2 * third :]]
-    (uid,) = gen.insert_segments([segments], [max_tokens], options=[RowOptions(arrived=arrived)])
+    (uid,) = gen.insert_segments([segments], [max_tokens], options=[RequestOptions(arrived=arrived)])
     out[uid] = []
     verified, yielded = stats.verify_steps, stats.yield_steps
     while not out[uid]:
         step()
     assert stats.verify_steps == verified  # none before its first token
     assert stats.yield_steps - yielded >= len(segments)
-    while gen._generation_batch.uids:
+    while gen.generation_batch.uids:
         step()
     gen.close()
     assert stats.verify_steps > verified  # drafting went on after it
@@ -594,7 +593,7 @@ def test_requests_waiting_to_be_inserted_get_plain_steps(model_and_tokenizer, pr
         uids = gen.insert(repeats, [max_tokens] * 3)
         out = {u: [] for u in uids}
         steps_waiting = 0
-        while gen._generation_batch.uids or not any(out.values()):
+        while gen.generation_batch.uids or not any(out.values()):
             if stats.verify_steps == 1 and not steps_waiting:
                 waiting[0] = True
             verified = stats.verify_steps
@@ -624,11 +623,11 @@ def test_prefill_ahead_is_the_chunk_stock_prefills(model_and_tokenizer, prompts)
     segments = [late[:7], late[7:40], late[40:]]
     gen.insert(prompts[:3], [MAX_TOKENS] * 3)
     checked, steps = [], 0
-    while steps == 0 or gen._generation_batch.uids or gen._unprocessed_sequences:
+    while steps == 0 or gen.generation_batch.uids or gen._unprocessed_sequences:
         if steps == 5:
             gen.insert_segments([segments], [MAX_TOKENS])
             gen.insert(prompts[3:5], [MAX_TOKENS] * 2)
-        expected, before = gen._prefill_tokens() or 0, counters.prompt_tokens
+        expected, before = internals.prefill_tokens(gen) or 0, counters.prompt_tokens
         gen.next()
         assert counters.prompt_tokens - before == expected, steps
         checked.append(expected)
@@ -684,7 +683,7 @@ def _rows_are_fresh_prefills(model, gen, fresh=None):
     empty cache; default the model's). ``check.rows``: the rows checked."""
 
     def check():
-        batch = gen._generation_batch
+        batch = gen.generation_batch
         if len(batch):
             i = len(checks) % len(batch)
             what = f"row {i} at {len(batch.tokens[i])} tokens"
@@ -808,7 +807,7 @@ def test_tokens_match_the_cache_after_every_step(model_and_tokenizer, prompts):
     gen = _suffix_gen(model, tokenizer, drafter)
     _run(gen, prompts[::2], [MAX_TOKENS] * 3)
     gen.insert(prompts, [MAX_TOKENS] * len(prompts))
-    batch = gen._generation_batch
+    batch = gen.generation_batch
     checked = 0
     while gen.next_generated():
         if len(batch):
@@ -880,11 +879,11 @@ def test_one_row_verifies_a_likely_draft_with_its_pending_token(model_and_tokeni
                 ref, _ = _stock_run(model, tokenizer, [p], [max_tokens], logits_processors=[lp])
                 gen = _suffix_gen(model, tokenizer, drafter, stats=stats)
                 gen.insert([p], [max_tokens], logits_processors=[lp])
-                batch = gen._generation_batch
+                batch = gen.generation_batch
                 tokens = []
                 while responses := gen.next_generated():
                     tokens += [r.token for r in responses]
-                    if len(batch) and batch._inflight != "verify":  # (then read first)
+                    if len(batch) and batch.held is None:  # (then read first)
                         assert [len(t) for t in batch.tokens] == batch.prompt_cache[0].offset.tolist()
                 gen.close()
                 assert tokens == ref[0], (max_tokens, round_)
@@ -934,7 +933,7 @@ def test_batched_replays_count_per_request_and_in_the_drafter(tiny_family_path, 
     drafter, stats = SuffixDrafter(policy="fixed", num_draft_tokens=8), BatchDraftStats()
     usages = [RequestUsage() for _ in prompts]
     gen = _suffix_gen(model, tokenizer, drafter, stats=stats)
-    _run(gen, prompts, [MAX_TOKENS] * len(prompts), options=[RowOptions(usage=u) for u in usages])
+    _run(gen, prompts, [MAX_TOKENS] * len(prompts), options=[RequestOptions(usage=u) for u in usages])
     gen.close()
     assert stats.replays > 0
     snap = drafter.snapshot()

@@ -1,8 +1,8 @@
 """Following the output through the prompt (copying.py) and its drafts in
 SuffixDrafter.propose, without a model."""
 
-from mlx_lm_suffix.copying import PromptCopy
 from mlx_lm_suffix.drafter import COPY_PROB, SuffixDrafter
+from mlx_lm_suffix.sources.prompt_copy import PromptCopy
 from mlx_lm_suffix.tools.simulate import Record, replay
 from mlx_lm_suffix.verification import accepted_length
 

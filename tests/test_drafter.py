@@ -94,11 +94,11 @@ def test_scopes_are_isolated():
     # Bob's finished response stays cached, so his scope stays; a scope with
     # nothing active or cached keeps no tree (here: nothing is ever cached).
     d.finish(bob)
-    assert "bob" in d._trees
+    assert "bob" in d._trees._caches
     nocache = SuffixDrafter(max_cached_requests=0)
     r = nocache.start([1], scope="carol")
     nocache.finish(r)
-    assert nocache._trees.scopes() == []
+    assert list(nocache._trees._caches) == []
 
 
 def test_bounds_evict_oldest_first():
@@ -122,7 +122,7 @@ def _cached_by_scope(d):
     held = {}
     for scope, tokens in d.cached_responses():
         held[scope] = held.get(scope, 0) + len(tokens)
-    trees = [d._trees[s] for s in d._trees.scopes()]
+    trees = list(d._trees._caches.values())
     assert sum(len(c.cached_requests - c.active_requests) for c in trees) == d.cached_requests
     assert sum(held.values()) == d.cached_tokens
     # The trees' own count (active responses are in the global trees too).
@@ -219,7 +219,7 @@ def test_no_drafting_across_requests(knobs, scope):
     in_flight, finished, own_output, own_prompt = repeat_drafts(d, scope)
     assert in_flight == finished == []
     assert own_output == answer[3:6] and own_prompt == prompt[6:9]
-    assert d.cached_requests == d.cached_tokens == 0 and PRIVATE not in d._trees
+    assert d.cached_requests == d.cached_tokens == 0 and PRIVATE not in d._trees._caches
 
 
 def test_invalid_knobs_raise_clear_errors():

@@ -33,7 +33,8 @@ from mlx_lm.models.cache import (
 from mlx_lm.sample_utils import make_sampler
 
 from mlx_lm_suffix import SuffixDrafter, suffix_generate_step
-from mlx_lm_suffix.drafter import Draft
+from mlx_lm_suffix.sources import Draft
+from mlx_lm_suffix.speculation import RequestOptions
 from mlx_lm_suffix.tools.models import FAMILIES, SLIDING_WINDOW
 
 #: Every family but the all-KVCache ones (tests/test_loop.py covers those).
@@ -234,8 +235,9 @@ def test_close_in_the_middle_of_a_draft(family, wrong, short):
     gen.close()
     toks = [t for t, _ in out]
     # Token 4 (the draft's first, confirmed by the pipelined step) and 5 are
-    # accepted; only token 4 is yielded.
-    assert [f for _, f in out] == [False] * 3 + [True] and drafter.stats.accepted >= 2
+    # accepted; only token 4 is yielded: the others leave the counts again.
+    assert [f for _, f in out] == [False] * 3 + [True] and drafter.stats.accepted == 1
+    assert drafter.stats.accepted_per_position.get(1) == 0
     assert toks == ref[:4]
     _assert_cache_is_fresh_prefill(model, cache, prompt + toks, f"{name}: closed mid-draft")
 
@@ -322,7 +324,8 @@ def test_sampling_is_lossless_on_a_hybrid(tiny_family_path):
     for _ in range(n):
         out = list(suffix_generate_step(mx.array(prompt[-1:]), model, drafter, max_tokens=5, sampler=sampler,
                                         logits_processors=[lambda _, logits: logits + bias],
-                                        prompt_cache=_fork(prefilled), draft_prompt=prompt))
+                                        prompt_cache=_fork(prefilled),
+                                        options=RequestOptions(prompt=prompt)))
         counts[index[out[3][0]], index[out[4][0]]] += 1
     chi2 = ((counts - n * joint) ** 2 / (n * joint)).sum()
     assert chi2 < 37.7, (chi2, counts, n * joint)  # 15 dof, p = 0.001

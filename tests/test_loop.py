@@ -18,8 +18,8 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 import mlx_lm_suffix
 from mlx_lm_suffix import SuffixDrafter, suffix_generate_step
-from mlx_lm_suffix.drafter import Draft
 from mlx_lm_suffix.policy import VerifyCost
+from mlx_lm_suffix.sources import Draft
 
 
 def _prompts(tokenizer, n=20):

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_sampler
 
-from mlx_lm_suffix.batch import RowOptions, SuffixBatchGenerator
-from mlx_lm_suffix.drafter import Draft, SuffixDrafter
+from mlx_lm_suffix.batch import RequestOptions, SuffixBatchGenerator
+from mlx_lm_suffix.drafter import SuffixDrafter
+from mlx_lm_suffix.sources import Draft
 from mlx_lm_suffix.stats import BatchDraftStats
 
 V = 50
@@ -167,8 +168,8 @@ def test_drafter_lifecycle_under_random_interleavings(abc, data):
         if op == "insert":
             p = data.draw(prompt_st)
             m = data.draw(st.integers(1, 12))
-            opts = data.draw(st.sampled_from([None, RowOptions(use_drafter=False),
-                                              RowOptions(num_draft_tokens=0)]))
+            opts = data.draw(st.sampled_from([None, RequestOptions(use_drafter=False),
+                                              RequestOptions(num_draft_tokens=0)]))
             (u,) = gen.insert([p], max_tokens=[m], options=[opts])
             live.append(u)
             prompts[u], out[u] = (p, m), []

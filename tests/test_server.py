@@ -213,7 +213,6 @@ def test_server_queue_reaches_the_batch(monkeypatch, tiny_model_path):
     generation thread's queue (ResponseGenerator.requests), the queue the
     generation loop was started with."""
     import queue
-    from types import SimpleNamespace
 
     from mlx_lm.generate import BatchGenerator
 
@@ -227,7 +226,11 @@ def test_server_queue_reaches_the_batch(monkeypatch, tiny_model_path):
     waiting = gen.requests_waiting
     assert not waiting()  # no generation loop yet
     requests = queue.Queue()
-    loop = SimpleNamespace(cli_args=args, requests=requests, _stop=False)
+    class Loop:  # a ResponseGenerator's fields
+        cli_args, _stop = args, False
+
+    loop = Loop()
+    loop.requests = requests
     serving.generate_restarting(loop, lambda generator: None)
     assert not waiting()
     requests.put(("rqueue", "request", "args"))

@@ -8,9 +8,10 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from mlx_lm_suffix.batch import SuffixBatchGenerator
-from mlx_lm_suffix.drafter import Draft, SuffixDrafter
+from mlx_lm_suffix.drafter import SuffixDrafter
 from mlx_lm_suffix.loop import suffix_generate_step
 from mlx_lm_suffix.policy.cost import VerifyCost
+from mlx_lm_suffix.sources import Draft
 from mlx_lm_suffix.speculation import Row
 from mlx_lm_suffix.tools.bench import OracleDrafter
 from mlx_lm_suffix.tools.simulate import Record, replay
@@ -106,13 +107,13 @@ def test_the_simulator_caps_as_the_loop(setting, monkeypatch):
     from mlx_lm_suffix.tools import simulate
 
     _, prompt, ref = setting
-    fed, verify = [], simulate._Replay.verify
+    fed, verify = [], simulate.Replay.verify
 
-    def spy(self, inputs):
-        fed.append((self.at, len(inputs[0])))
-        return verify(self, inputs)
+    def spy(self, tokens):
+        fed.append((self.at, len(tokens)))
+        return verify(self, tokens)
 
-    monkeypatch.setattr(simulate._Replay, "verify", spy)
+    monkeypatch.setattr(simulate.Replay, "verify", spy)
     drafter = _oracle(ref)
     replay(drafter, Record(prompt, ref[:MAX_TOKENS]))
     assert fed and drafter.stats.accepted > 0
@@ -252,22 +253,22 @@ def test_a_verification_grows_the_trees_while_its_forward_runs(setting, monkeypa
     from mlx_lm_suffix.tools import simulate
 
     _, prompt, ref = setting
-    seen, verify, verified = [], simulate._Replay.verify, simulate._Replay.verified
+    seen, verify, verified = [], simulate.Replay.verify, simulate.Replay.verified
 
     def ungrown(row):
         req = row.drafter._active[row.req]
         return len(row._tokens) + len(req.response) - 1 - req.planted
 
-    def queue(self, inputs):
-        seen.append([ungrown(self.rows[0])])
-        return verify(self, inputs)
+    def queue(self, tokens):
+        seen.append([ungrown(self.row)])
+        return verify(self, tokens)
 
     def read(self):
-        seen[-1].append(ungrown(self.rows[0]))
+        seen[-1].append(ungrown(self.row))
         return verified(self)
 
-    monkeypatch.setattr(simulate._Replay, "verify", queue)
-    monkeypatch.setattr(simulate._Replay, "verified", read)
+    monkeypatch.setattr(simulate.Replay, "verify", queue)
+    monkeypatch.setattr(simulate.Replay, "verified", read)
     drafter = OracleDrafter(num_draft_tokens=3, policy="fixed")
     drafter.set_reference(ref)
     replay(drafter, Record(prompt, ref[: 2 * MAX_TOKENS]))

@@ -1,5 +1,6 @@
 """The counter types: report, add and subtract."""
 
+from mlx_lm_suffix.sources import Draft
 from mlx_lm_suffix.stats import BatchDraftStats, DraftStats, RequestUsage
 
 
@@ -25,17 +26,23 @@ def test_delta_and_merge():
 
 def test_counts_per_source_and_position():
     s = DraftStats()
-    s.count(drafted=4, accepted=2, steps=1, probs=[1.0] * 4, source="tree")
-    s.count(drafted=1, accepted=0, steps=0, probs=[0.5], source="copy")
-    s.count(drafted=3, accepted=3, steps=1, probs=[1.0] * 3, source="tree")
-    s.count(drafted=0, accepted=0, steps=1, probs=[], source="tree")  # a plain step
+    tree, copy = Draft([1, 2, 3, 4], [1.0] * 4, source="tree"), Draft([7], [0.5], source="copy")
+    s.count(steps=1, drafted=4, draft=tree)
+    s.count(accepted=2, source="tree")  # two of them emitted
+    s.count(drafted=1, draft=copy)  # a first token the plain forward missed
+    s.count(steps=1, drafted=3, draft=tree)
+    s.count(accepted=3, source="tree")
+    s.count(steps=1)  # a plain step
+    assert (s.steps, s.drafted, s.accepted, s.draft_steps) == (3, 8, 5, 3)
     assert s.source_drafts == {"tree": 2, "copy": 1}
     assert s.source_drafted == {"tree": 7, "copy": 1}
-    assert s.source_accepted == {"tree": 5, "copy": 0}
+    assert s.source_accepted == {"tree": 5}
     assert s.accepted_per_position == {0: 2, 1: 2, 2: 1}
     d = s.as_dict()
     assert d["accepted_per_position"] == {"0": 2, "1": 2, "2": 1}
     assert d["mean_acceptance_length"] == 1.0 + 5 / 3
+    s.count(accepted=-1, source="tree", last=3)  # the last of those 3 taken back
+    assert s.accepted == 4 and s.accepted_per_position == {0: 2, 1: 2, 2: 0}
     later = s.copy()
-    later.count(drafted=2, accepted=1, steps=1, probs=[1.0, 1.0], source="copy")
+    later.count(drafted=2, draft=Draft([1, 2], [1.0, 1.0], source="copy"))
     assert later.delta(s).source_drafted == {"copy": 2}

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_lm_suffix.verification import accepted_length, committed_tokens
+from mlx_lm_suffix.verification import accepted_length
 
 
 def test_accepted_length_basic():
@@ -14,11 +14,6 @@ def test_accepted_length_basic():
     assert accepted_length([1, 2, 3], [9, 2, 3, 4]) == 0
     with pytest.raises(ValueError):
         accepted_length([1, 2], [1, 2])
-
-
-def test_committed_tokens_appends_correction_or_bonus():
-    assert committed_tokens([1, 2, 3], [1, 2, 9, 4]) == ([1, 2, 9], 2)
-    assert committed_tokens([1, 2], [1, 2, 5]) == ([1, 2, 5], 2)
 
 
 def _next_token(seq):
@@ -33,8 +28,9 @@ def _next_token(seq):
     oracle=st.lists(st.booleans(), min_size=12, max_size=12),
 )
 def test_verification_equals_stepwise_greedy(prompt, drafts, oracle):
-    """Whatever is drafted, committing accepted prefix + correction yields
-    exactly the step-by-step greedy sequence."""
+    """Whatever is drafted, committing the accepted prefix and the token
+    sampled after it (the correction, or the bonus) yields exactly the
+    step-by-step greedy sequence."""
     seq = list(prompt)
     for i, draft in enumerate(drafts):
         if oracle[i]:  # sometimes draft the true continuation
@@ -42,9 +38,8 @@ def test_verification_equals_stepwise_greedy(prompt, drafts, oracle):
             for j in range(len(draft)):
                 draft[j] = _next_token(seq + draft[:j])
         targets = [_next_token(seq + list(draft[:j])) for j in range(len(draft) + 1)]
-        out, a = committed_tokens(draft, targets)
-        assert out[:a] == list(draft[:a]) and len(out) == a + 1
-        seq += out
+        a = accepted_length(draft, targets)
+        seq += list(draft[:a]) + [targets[a]]
     greedy = list(prompt)
     while len(greedy) < len(seq):
         greedy.append(_next_token(greedy))

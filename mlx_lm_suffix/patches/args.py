@@ -23,6 +23,7 @@ from ..drafter import (
     DEFAULT_NUM_DRAFT_TOKENS,
     SuffixDrafter,
 )
+from ..internals import Attached
 from ..persistence import SAVE_INTERVAL_S
 from ..policy.rules import POLICIES
 
@@ -31,8 +32,8 @@ SCOPES = ("global", "user")
 #: ``--suffix-cache-scope header:NAME``: the prefix, and what NAME may be (an HTTP token).
 HEADER_SCOPE = "header:"
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-# mlx-lm's own --num-draft-tokens default, kept on the parser.
-_STOCK_NUM_DRAFT_TOKENS = "_mlx_lm_suffix_stock_num_draft_tokens"
+# mlx-lm's own --num-draft-tokens default, of each parser.
+_stock_num_draft_tokens: Attached[int] = Attached()
 
 
 def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
@@ -230,7 +231,7 @@ def enabled(cli_args: argparse.Namespace) -> bool:
 
 def _defer_num_draft_tokens(parser: argparse.ArgumentParser) -> None:
     # Resolved by _finalize: the default depends on whether suffix drafting is on.
-    setattr(parser, _STOCK_NUM_DRAFT_TOKENS, parser.get_default("num_draft_tokens"))
+    _stock_num_draft_tokens.set(parser, parser.get_default("num_draft_tokens"))
     parser.set_defaults(num_draft_tokens=None)
 
 
@@ -239,7 +240,7 @@ def _finalize(
 ) -> Optional[SuffixDrafter]:
     if ns.num_draft_tokens is None:
         ns.num_draft_tokens = (
-            DEFAULT_NUM_DRAFT_TOKENS if suffix else getattr(parser, _STOCK_NUM_DRAFT_TOKENS)
+            DEFAULT_NUM_DRAFT_TOKENS if suffix else _stock_num_draft_tokens.get(parser)
         )
     if not suffix:
         return None

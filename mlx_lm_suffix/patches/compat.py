@@ -1,10 +1,11 @@
 """What mlx_lm_suffix relies on in mlx-lm, checked before anything is patched.
 
-The patches wrap mlx-lm functions and methods, replace module globals that
-mlx-lm looks up when it runs, and (in :mod:`mlx_lm_suffix.batch`) subclass
-its batch generator and read private attributes. :func:`missing` checks all
-of that against the mlx-lm that is installed; if anything is missing, nothing
-is patched (see :func:`mlx_lm_suffix.patches.apply`).
+The patches wrap mlx-lm functions and methods and replace module globals
+that mlx-lm looks up when it runs; :mod:`mlx_lm_suffix.batch` subclasses its
+batch generator; :mod:`mlx_lm_suffix.internals` reads and writes its private
+attributes (and declares them there). :func:`missing` checks all of that
+against the mlx-lm that is installed; if anything is missing, nothing is
+patched (see :func:`mlx_lm_suffix.patches.apply`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import sys
 from dataclasses import dataclass
 from types import CodeType
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from .. import internals
 
 #: The mlx-lm releases mlx_lm_suffix is tested with, as setup.cfg requires
 #: them (a PEP 440 specifier). 0.31.x lacks the batch API of 0.32 (its
@@ -68,7 +71,6 @@ SIGNATURES: Dict[str, Optional[str]] = {
         "self, left_padding, lengths, right_padding"
     ),
     "mlx_lm.models.cache:BatchRotatingKVCache.finalize": "self",
-    "mlx_lm.models.cache:BatchRotatingKVCache._temporal_order": "self",
     "mlx_lm.models.cache:BatchRotatingKVCache.filter": "self, batch_indices",
 
     # batch, verification
@@ -79,7 +81,6 @@ SIGNATURES: Dict[str, Optional[str]] = {
     "mlx_lm.generate:GenerationBatch.Response": (
         "uid, token, logprobs, finish_reason, prompt_cache, all_tokens"
     ),
-    "mlx_lm.generate:GenerationBatch._step": "self",
     "mlx_lm.generate:GenerationBatch.next": "self",
     "mlx_lm.generate:GenerationBatch.extend": "self, batch",
     "mlx_lm.generate:GenerationBatch.filter": "self, keep",
@@ -93,14 +94,14 @@ SIGNATURES: Dict[str, Optional[str]] = {
         "stop_sequences"
     ),
     "mlx_lm.generate:BatchGenerator.remove": "self, uids, return_prompt_caches",
-    "mlx_lm.generate:BatchGenerator._next": "self",
+    "mlx_lm.generate:BatchGenerator.next": "self",
+    "mlx_lm.generate:BatchGenerator.next_generated": "self",
     "mlx_lm.generate:BatchGenerator.close": "self",
     "mlx_lm.models.cache:BatchKVCache.trim": "self, n",
     "mlx_lm.models.cache:BatchKVCache.prepare": "self, left_padding, lengths, right_padding",
     "mlx_lm.models.cache:BatchKVCache.finalize": "self",
     "mlx_lm.models.cache:BatchKVCache.filter": "self, batch_indices",
     # patches.server, patches.serving
-    "mlx_lm.generate:_merge_caches": None,
     "mlx_lm.utils:load_tokenizer": None,
     "mlx_lm.server:run": "host, port, model_provider, server_class, handler_class",
     "mlx_lm.server:_run_http_server": (
@@ -119,21 +120,8 @@ SIGNATURES: Dict[str, Optional[str]] = {
     "mlx_lm.server:APIHandler.completion_usage_response": None,
     "mlx_lm.server:APIHandler.do_POST": "self",
     "mlx_lm.server:APIHandler.do_GET": "self",
-    "mlx_lm.server:APIHandler._set_completion_headers": "self, status_code",
+    **internals.CALLS,
 }
-
-# What SuffixBatchGenerator._prefill_ahead reads of BatchGenerator, as its
-# _next uses it (mlx-lm 0.32.2).
-_PREFILL_STATE = (
-    "_generation_batch",
-    "completion_batch_size",
-    "prefill_batch_size",
-    "_prompt_batch",
-    "_unprocessed_sequences",
-    "_currently_processing",
-    "prefill_step_size",
-    "_counters",
-)
 
 # Functions and the names they look up when they run: module globals that
 # the patches replace, methods they wrap.
@@ -141,16 +129,10 @@ LOOKUPS: Dict[str, Tuple[str, ...]] = {
     "mlx_lm.generate:stream_generate": ("speculative_generate_step",),
     "mlx_lm.generate:generate": ("stream_generate",),
     "mlx_lm.generate:main": ("setup_arg_parser", "generate"),
-    # batch: its plain step is stock's next(); SuffixGenerationBatch._emit
-    # applies next()'s per-token finish test to each accepted token.
-    "mlx_lm.generate:GenerationBatch.next": ("_step", "_num_tokens", "max_tokens", "_matchers"),
-    # batch: the generation step comes first, then prefill (_prefill_ahead)
-    "mlx_lm.generate:BatchGenerator._next": _PREFILL_STATE,
+    **internals.LOOKS_UP,
     "mlx_lm.server:main": ("argparse", "run"),
     # patches.server._run_http_server: stock run() serves HTTP through it
     "mlx_lm.server:run": ("_run_http_server",),
-    # serving._requested_key maps a request's model names as load does
-    "mlx_lm.server:ModelProvider.load": ("_load", "_model_map", "_adapter_map", "_draft_model_map"),
     "mlx_lm.server:ResponseGenerator._run_generate": ("_generate",),
     "mlx_lm.server:ResponseGenerator._generate": ("BatchGenerator", "_next_request", "_tokenize"),
     "mlx_lm.server:ResponseGenerator._serve_single": ("stream_generate", "_tokenize"),
@@ -167,54 +149,21 @@ LOOKUPS: Dict[str, Tuple[str, ...]] = {
 # reads (or, in a subclass, sets and stock reads).
 ATTRIBUTES: Dict[str, Tuple[str, ...]] = {
     "mlx_lm.generate:GenerationBatch.__init__": (
-        "model",
-        "uids",
-        "prompt_cache",
-        "tokens",
-        "samplers",
-        "fallback_sampler",
-        "logits_processors",
-        "max_tokens",
-        "_current_tokens",
-        "_current_logprobs",
-        "_next_tokens",
-        "_next_logprobs",
-        "_token_context",
-        "_num_tokens",
-        "_matchers",
+        "model", "uids", "prompt_cache", "tokens", "samplers", "fallback_sampler",
+        "logits_processors", "max_tokens",
     ),
-    "mlx_lm.generate:BatchGenerator.__init__": (
-        "model",
-        "sampler",
-        "max_kv_size",
-        *_PREFILL_STATE,
-    ),
+    "mlx_lm.generate:BatchGenerator.__init__": ("model", "sampler", "max_kv_size"),
     # rollback: the fields each cache kind's strategy reads or sets
     "mlx_lm.models.cache:KVCache.__init__": ("offset",),
     "mlx_lm.models.cache:QuantizedKVCache.__init__": ("offset",),
     "mlx_lm.models.cache:ConcatenateKVCache.__init__": ("offset",),
     "mlx_lm.models.cache:ChunkedKVCache.__init__": ("offset",),
-    "mlx_lm.models.cache:BatchKVCache.__init__": ("left_padding", "offset", "_idx"),
+    "mlx_lm.models.cache:BatchKVCache.__init__": ("left_padding", "offset"),
     "mlx_lm.models.cache:RotatingKVCache.__init__": ("keep", "offset", "max_size"),
-    "mlx_lm.models.cache:BatchRotatingKVCache.__init__": (
-        "keys",
-        "values",
-        "left_padding",
-        "offset",
-        "_idx",
-        "_offset",
-    ),
+    "mlx_lm.models.cache:BatchRotatingKVCache.__init__": ("left_padding", "offset"),
     "mlx_lm.models.cache:CacheList.__init__": ("caches",),
-    "mlx_lm.server:ModelProvider.__init__": (
-        "cli_args",
-        "model",
-        "tokenizer",
-        "model_key",
-        "_model_map",
-        "_adapter_map",
-        "_draft_model_map",
-    ),
-    "mlx_lm.server:ResponseGenerator.__init__": ("model_provider", "_stop"),
+    "mlx_lm.server:ModelProvider.__init__": ("cli_args", "model", "tokenizer", "model_key"),
+    "mlx_lm.server:ResponseGenerator.__init__": ("model_provider",),
     "mlx_lm.server:APIHandler.__init__": ("response_generator",),
     "mlx_lm.server:APIHandler.do_POST": (
         "body",
@@ -230,6 +179,9 @@ ATTRIBUTES: Dict[str, Tuple[str, ...]] = {
         "top_logprobs",
     ),
 }
+# The private ones, read and written by mlx_lm_suffix.internals.
+for _target, _names in internals.SETS.items():
+    ATTRIBUTES[_target] = ATTRIBUTES.get(_target, ()) + _names
 
 
 @dataclass(frozen=True)

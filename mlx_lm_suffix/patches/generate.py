@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import inspect
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 from ..drafter import SuffixDrafter
+from ..internals import Attached
 from . import compat
 from .args import SUFFIX, add_generate_arguments, finalize_generate_args, refuse_suffix_options
 from .compat import Patch, original
@@ -23,16 +25,33 @@ from .compat import Patch, original
 # The drafter configured by `mlx_lm.generate --suffix-draft`, used by the
 # next generate() call that has no draft model of its own.
 _cli_drafter: Optional[SuffixDrafter] = None
+# The process-wide drafter of each model (draft_model="suffix").
+_drafters: Attached[SuffixDrafter] = Attached()
 
 
 def drafter_for(model: Any) -> SuffixDrafter:
-    """The process-wide drafter of ``model`` (used for ``draft_model="suffix"``)."""
-    # Kept on the model (modules are unhashable dicts), alive as long as it.
-    drafter = getattr(model, "_mlx_lm_suffix_drafter", None)
+    """The process-wide drafter of ``model`` (used for ``draft_model="suffix"``),
+    alive as long as the model."""
+    drafter = _drafters.get(model)
     if drafter is None:
         drafter = SuffixDrafter()
-        object.__setattr__(model, "_mlx_lm_suffix_drafter", drafter)
+        _drafters.set(model, drafter)
     return drafter
+
+
+@dataclass
+class RequestDrafter:
+    """A request's drafter as mlx-lm 0.32.2's ``stream_generate`` passes
+    its ``draft_model`` on to ``speculative_generate_step`` (unchanged):
+    the :class:`SuffixDrafter`, the request's
+    :class:`~mlx_lm_suffix.speculation.RequestOptions`, and the arguments
+    that ``stream_generate`` drops for a draft model and the suffix loop
+    takes (``max_kv_size``, ``prompt_progress_callback``)."""
+
+    drafter: SuffixDrafter
+    options: Any = None
+    max_kv_size: Optional[int] = None
+    prompt_progress_callback: Optional[Callable[[int, int], None]] = None
 
 
 def resolve_drafter(draft_model: Any, model: Any) -> Optional[SuffixDrafter]:
@@ -69,14 +88,15 @@ def format_stats(stats: dict) -> str:
 
 # mlx-lm 0.32.2 stream_generate(model, tokenizer, prompt, max_tokens, draft_model, ...)
 # calls speculative_generate_step by its module-global name for any draft
-# model, having popped max_kv_size and prompt_progress_callback.
+# model, passing draft_model on unchanged and dropping max_kv_size and
+# prompt_progress_callback: a suffix drafter travels as a RequestDrafter
+# with them. ``draft_options``: the request's RequestOptions (the server's).
 def stream_generate(model, tokenizer, prompt, max_tokens=256, draft_model=None, **kwargs):
     drafter = resolve_drafter(draft_model, model)
     if drafter is not None:
-        draft_model = drafter
-        kwargs["_suffix_kwargs"] = {
-            k: kwargs.pop(k) for k in ("max_kv_size", "prompt_progress_callback") if k in kwargs
-        }
+        draft_model = RequestDrafter(drafter, kwargs.pop("draft_options", None),
+                                     kwargs.pop("max_kv_size", None),
+                                     kwargs.pop("prompt_progress_callback", None))
     return original(stream_generate)(
         model, tokenizer, prompt, max_tokens=max_tokens, draft_model=draft_model, **kwargs
     )
@@ -85,13 +105,17 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, draft_model=None, 
 # mlx-lm 0.32.2 speculative_generate_step(prompt, model, draft_model, stream, **kwargs)
 # yields (token, logprobs, from_draft), as suffix_generate_step does.
 def speculative_generate_step(prompt, model, draft_model, *args, **kwargs):
-    if not isinstance(draft_model, SuffixDrafter):
+    if isinstance(draft_model, SuffixDrafter):
+        draft_model = RequestDrafter(draft_model)
+    if not isinstance(draft_model, RequestDrafter):
         return original(speculative_generate_step)(prompt, model, draft_model, *args, **kwargs)
     # Imported here: loop imports mlx_lm, whose import applies this patch.
     from ..loop import suffix_generate_step
 
-    kwargs.update(kwargs.pop("_suffix_kwargs", {}))
-    return suffix_generate_step(prompt, model, draft_model, *args, **kwargs)
+    d = draft_model
+    kwargs.setdefault("max_kv_size", d.max_kv_size)
+    kwargs.setdefault("prompt_progress_callback", d.prompt_progress_callback)
+    return suffix_generate_step(prompt, model, d.drafter, *args, options=d.options, **kwargs)
 
 
 # mlx-lm 0.32.2 generate(model, tokenizer, prompt, verbose, **kwargs) calls

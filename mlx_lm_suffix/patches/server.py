@@ -19,6 +19,7 @@ import sys
 from http.server import ThreadingHTTPServer
 from types import ModuleType
 
+from .. import internals
 from . import compat, serving
 from .args import add_server_arguments, finalize_server_args, refuse_suffix_options
 from .compat import Patch, original
@@ -28,9 +29,11 @@ class _SuffixServerParser(argparse.ArgumentParser):
     """``mlx_lm.server``'s parser with ``--draft suffix`` and ``--suffix-*``
     added when it parses (stock ``main()`` adds its own options first)."""
 
+    suffix_options = False  # (added yet)
+
     def parse_known_args(self, args=None, namespace=None):
-        if not getattr(self, "_mlx_lm_suffix_ready", False):
-            self._mlx_lm_suffix_ready = True
+        if not self.suffix_options:
+            self.suffix_options = True
             add_server_arguments(self)
         ns, extras = super().parse_known_args(args, namespace)
         finalize_server_args(self, ns)
@@ -102,7 +105,7 @@ def BatchGenerator(model, **kwargs):
 def _tokenize(self, tokenizer, request, args):
     serving.check_for_model(self.model_provider, args)
     result = original(_tokenize)(self, tokenizer, request, args)
-    serving.note_prompt(self.model_provider.cli_args, request, result[0])
+    serving.admit(self.model_provider.cli_args, request, result[0])
     return result
 
 
@@ -151,20 +154,17 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, draft_model=None, 
 # mlx-lm 0.32.2 APIHandler.validate_model_parameters(): called by do_POST once the body
 # fields are attributes; a ValueError becomes HTTP 400 with its message.
 def validate_model_parameters(self):
-    self._mlx_lm_suffix = None
     original(validate_model_parameters)(self)
-    self._mlx_lm_suffix = serving.request_info(self)
+    serving.request_options(self)
 
 
 # mlx-lm 0.32.2 APIHandler.handle_completion(request, stop_words): the CompletionRequest
-# travels to the generation thread; it carries the request's suffix info.
+# travels to the generation thread, with the request's options.
 def handle_completion(self, request, stop_words):
-    info = getattr(self, "_mlx_lm_suffix", None)
-    if info is not None:
+    if serving.hand_to_generation(self, request):
         # It reads self.stream_options["include_usage"] once the stream is
         # done (a KeyError there: no [DONE]).
         self.stream_options = serving.stream_options_with_usage(self.stream_options)
-        serving.attach_request_info(request, info)
         serving.mark_generating(self)
     return original(handle_completion)(self, request, stop_words)
 
@@ -173,12 +173,12 @@ def handle_completion(self, request, stop_words):
 # return the response dicts; add the draft counters to their "usage".
 def generate_response(self, *args, **kwargs):
     response = original(generate_response)(self, *args, **kwargs)
-    return serving.add_usage(response, getattr(self, "_mlx_lm_suffix", None))
+    return serving.add_usage(response, self)
 
 
 def completion_usage_response(self, *args, **kwargs):
     response = original(completion_usage_response)(self, *args, **kwargs)
-    return serving.add_usage(response, getattr(self, "_mlx_lm_suffix", None))
+    return serving.add_usage(response, self)
 
 
 # mlx-lm 0.32.2 APIHandler.do_POST(): on suffix servers, an exception (a body that is
@@ -208,7 +208,7 @@ def do_GET(self):
     if state is None or not serving.is_stats_path(self.path):
         return original(do_GET)(self)
     body = json.dumps(state.stats_payload()).encode()
-    self._set_completion_headers(200)
+    internals.start_json_response(self, 200)
     self.send_header("Content-Length", str(len(body)))
     self.end_headers()
     self.wfile.write(body)

@@ -7,17 +7,33 @@ Plain logic called from the thin wrappers of :mod:`mlx_lm_suffix.patches.server`
   and forth keeps each model's cache), the cache file
   (:class:`~mlx_lm_suffix.persistence.CacheFile`), the stats, and the
   server's lifetime (SIGTERM, orderly exit).
-- Requests: :func:`request_info` validates the per-request fields and
-  computes the cache scope; :func:`note_prompt` / :func:`batch_row_options`
-  carry it from the tokenizer call to the batch row (same thread);
-  :func:`single_stream_generate` routes the server's single-request path to
-  suffix decoding; :func:`check_for_model` refuses, in the generation
-  thread, what only the loaded model can tell is invalid (``logit_bias``
-  ids past its vocabulary) where the handler could not
+- Requests: a request's options take one way, from its handler to its row
+  (see "A request's way" below); :func:`check_for_model` refuses, in the
+  generation thread, what only the loaded model can tell is invalid
+  (``logit_bias`` ids past its vocabulary) where the handler could not
   (:class:`RequestRefused`, answered 400).
 - Failures: :func:`generate_restarting` restarts the generation loop after
   failing the requests in flight; :func:`answer_error` answers a POST whose
   handling raised.
+
+A request's way, the one path its drafting options take (mlx-lm's server
+hands a request's object to neither its batch nor its single-request loop):
+
+1. HTTP thread, ``APIHandler.validate_model_parameters``: the body's fields
+   are validated (HTTP 400 naming the field) into one
+   :class:`~mlx_lm_suffix.speculation.RequestOptions`
+   (:func:`request_options`), kept for the handler;
+2. ``APIHandler.handle_completion(request)``: the same options, kept for
+   the ``CompletionRequest`` it queues (:func:`hand_to_generation`);
+3. generation thread, ``ResponseGenerator._tokenize(request)``, which runs
+   right before the request joins the batch or is served alone: its
+   options and prompt are *admitted* (:func:`admit`);
+4. the batch's ``insert_segments`` (:func:`admitted_options`, the
+   generator's ``options_source``) or the single-request
+   ``stream_generate`` (:func:`single_stream_generate`) takes them, and
+   the row starts with them.
+
+The handler answers with the options' ``usage`` (:func:`add_usage`).
 
 Modules that import mlx_lm (batch, verification, mlx_lm itself) are
 imported where they are used: this module is imported while mlx-lm is
@@ -35,30 +51,27 @@ import signal
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import (
-    TYPE_CHECKING,
     Any,
     Callable,
     Dict,
     Hashable,
     Iterator,
-    List,
     Optional,
     Sequence,
     Tuple,
 )
 from urllib.parse import urlsplit
 
-from .. import ranks
+from .. import internals, ranks
 from ..drafter import PRIVATE, SuffixDrafter
+from ..internals import Attached
 from ..persistence import CacheFile, CacheFileRefused, model_id, vocabulary_size
+from ..speculation import RequestOptions
 from ..stats import BatchDraftStats, RequestUsage
 from .args import HEADER_SCOPE, SUFFIX, drafter_from_args, enabled
-
-if TYPE_CHECKING:
-    from ..batch import RowOptions
 
 logger = logging.getLogger("mlx_lm_suffix.serving")
 
@@ -66,9 +79,16 @@ STATS_PATH = "/v1/suffix/stats"
 #: Usage fields added to each response.
 USAGE_DRAFTED = "draft_tokens"
 USAGE_ACCEPTED = "accepted_draft_tokens"
-_STATE_ATTR = "_mlx_lm_suffix_serving"
-_REQUEST_ATTR = "_mlx_lm_suffix"
-_MODEL_ATTR = "_mlx_lm_suffix_server_entry"
+# What the plugin keeps for mlx-lm's objects: a server's state (by its
+# parsed command line), a loaded model's entry, a handler's and a request's
+# options, the queues a generation loop took, whether a handler's request
+# reached generation.
+_states: Attached[Optional["SuffixServing"]] = Attached()
+_entries: Attached["ModelEntry"] = Attached()
+_handler_options: Attached[RequestOptions] = Attached()
+_request_options: Attached[RequestOptions] = Attached()
+_taken: Attached["weakref.WeakSet"] = Attached()
+_generating: Attached[bool] = Attached()
 
 
 # ------------------------------------------------------------------ state
@@ -88,17 +108,6 @@ class ModelEntry:
     persisted: bool = False
     # The model's batch generators alive (the server's generation thread).
     generators: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
-
-
-@dataclass
-class RequestInfo:
-    """What the HTTP handler decided for one request."""
-
-    drafting: bool
-    num_draft_tokens: int
-    scope: Hashable
-    usage: RequestUsage
-    arrived: float = field(default_factory=time.perf_counter)
 
 
 class SuffixServing:
@@ -163,8 +172,7 @@ class SuffixServing:
                     output_size=output_size(model, tokenizer),
                 )
                 self.entries[key] = entry
-            # Kept on the model (modules are unhashable dicts).
-            object.__setattr__(model, _MODEL_ATTR, entry)
+            _entries.set(model, entry)
             if self.cache_file is not None:
                 entry.persisted = self.cache_file.attach(
                     entry.model_id, entry.drafter, vocabulary_size(model, tokenizer)
@@ -351,16 +359,14 @@ def exit_after_shutdown() -> None:
 
 def state_for(cli_args: Any) -> Optional[SuffixServing]:
     """The suffix state of the server with these CLI args (None: stock)."""
-    state = getattr(cli_args, _STATE_ATTR, False)
+    state = _states.get(cli_args, False)
     if state is not False:
         return state
     with _state_lock:
-        state = getattr(cli_args, _STATE_ATTR, False)
+        state = _states.get(cli_args, False)
         if state is False:
-            state = None
-            if enabled(cli_args):
-                state = SuffixServing(cli_args)
-            setattr(cli_args, _STATE_ATTR, state)
+            state = SuffixServing(cli_args) if enabled(cli_args) else None
+            _states.set(cli_args, state)
     return state
 
 
@@ -471,21 +477,6 @@ def check_logit_bias(bias: Any, size: Optional[int]) -> None:
             )
 
 
-def _requested_key(handler: Any) -> Optional[Tuple[Any, ...]]:
-    """The ``ModelProvider.model_key`` of the request's model once loaded:
-    its names mapped as mlx-lm 0.32.2 ``ModelProvider.load`` maps them (a
-    suffix server's requests all ask for the default draft model)."""
-    provider = handler.response_generator.model_provider
-    try:
-        model, adapter = handler.requested_model, handler.adapter
-        adapter = provider._adapter_map.get(model, adapter)
-        model = provider._model_map.get(model, model)
-        draft = provider._draft_model_map.get("default_model", "default_model")
-    except (AttributeError, TypeError):
-        return None
-    return (model, adapter, draft)
-
-
 def wants_logprobs(handler: Any) -> bool:
     """Whether the response carries logprobs (``logprobs``, or
     ``top_logprobs`` > 0, which stock answers with them too)."""
@@ -493,13 +484,17 @@ def wants_logprobs(handler: Any) -> bool:
     return getattr(handler, "logprobs", False) is True or (isinstance(top, int) and top > 0)
 
 
-def request_info(handler: Any) -> Optional[RequestInfo]:
-    """Validate the suffix fields of a request (after stock validation).
+def request_options(handler: Any) -> Optional[RequestOptions]:
+    """Validate the suffix fields of a request (after stock validation):
+    its :class:`~mlx_lm_suffix.speculation.RequestOptions` (None on a stock
+    server), kept for the handler (see "A request's way").
 
     A request's ``num_draft_tokens`` is capped by the server's
-    ``--num-draft-tokens`` (on every path, prompt copies included). Raises ``ValueError`` (the handler answers HTTP 400). Normalises the
-    handler's ``requested_draft_model`` so the request batches with others.
+    ``--num-draft-tokens`` (on every path, prompt copies included). Raises
+    ``ValueError`` (the handler answers HTTP 400). Normalises the handler's
+    ``requested_draft_model`` so the request batches with others.
     """
+    _handler_options.pop(handler)
     state = state_for(handler.response_generator.cli_args)
     draft = handler.requested_draft_model
     if state is None:
@@ -532,7 +527,8 @@ def request_info(handler: Any) -> Optional[RequestInfo]:
     # Token ids past the model's logits: checked here where the requested
     # model has been loaded before (its size never changes), else in the
     # generation thread once it is (check_for_model).
-    key = _requested_key(handler)
+    key = internals.model_key(handler.response_generator.model_provider,
+                              handler.requested_model, handler.adapter)
     size = state.output_size_for(key) if key is not None else None
     check_logit_bias(getattr(handler, "logit_bias", None), size)
     scope = None
@@ -545,12 +541,10 @@ def request_info(handler: Any) -> Optional[RequestInfo]:
     # differ from one-token steps' in the last bits, and so does the order
     # of stock's unsorted top_logprobs: a request for them is not drafted.
     drafting = draft is not None and n > 0 and not wants_logprobs(handler)
-    return RequestInfo(
-        drafting=drafting,
-        num_draft_tokens=n if drafting else 0,
-        scope=scope,
-        usage=RequestUsage(),
-    )
+    options = RequestOptions(num_draft_tokens=n if drafting else 0, scope=scope,
+                             usage=RequestUsage(), arrived=time.perf_counter())
+    _handler_options.set(handler, options)
+    return options
 
 
 def _check_body(handler: Any) -> None:
@@ -580,7 +574,7 @@ def check_for_model(provider: Any, args: Any) -> None:
     that model was loaded (``logit_bias`` ids past its logits)."""
     if state_for(provider.cli_args) is None:
         return
-    entry = _entry_for_model(provider.model)
+    entry = _entries.get(provider.model)
     logits = getattr(args, "logits", None)
     check_logit_bias(
         getattr(logits, "logit_bias", None), entry.output_size if entry is not None else None
@@ -597,17 +591,22 @@ def stream_options_with_usage(options: Any) -> Any:
     return options
 
 
-def attach_request_info(request: Any, info: Optional[RequestInfo]) -> None:
-    if info is not None:
-        setattr(request, _REQUEST_ATTR, info)
+def hand_to_generation(handler: Any, request: Any) -> bool:
+    """The handler's options go with the ``CompletionRequest`` it queues;
+    whether it has any (a suffix server's request)."""
+    options = _handler_options.get(handler)
+    if options is not None:
+        _request_options.set(request, options)
+    return options is not None
 
 
-def add_usage(response: Dict[str, Any], info: Optional[RequestInfo]) -> Dict[str, Any]:
-    """Add the request's draft counters to a response's ``usage``."""
+def add_usage(response: Dict[str, Any], handler: Any) -> Dict[str, Any]:
+    """Add the handler's request's draft counters to a response's ``usage``."""
+    options = _handler_options.get(handler)
     usage = response.get("usage") if isinstance(response, dict) else None
-    if info is not None and isinstance(usage, dict):
-        usage[USAGE_DRAFTED] = info.usage.drafted
-        usage[USAGE_ACCEPTED] = info.usage.accepted
+    if options is not None and isinstance(usage, dict):
+        usage[USAGE_DRAFTED] = options.usage.drafted
+        usage[USAGE_ACCEPTED] = options.usage.accepted
     return response
 
 
@@ -615,50 +614,48 @@ def is_stats_path(path: str) -> bool:
     return urlsplit(path).path.rstrip("/") == STATS_PATH
 
 
-# A request being admitted by the server's generation thread: set when its
+# The request the server's generation thread is admitting: set when its
 # prompt is tokenized, taken by the batch insert or single-request call that
 # follows in the same thread.
-_admission = threading.local()
+_admitting = threading.local()
 
 
-def note_prompt(cli_args: Any, request: Any, prompt: Sequence[int]) -> None:
+def admit(cli_args: Any, request: Any, prompt: Sequence[int]) -> None:
+    """The generation thread tokenized ``request``'s ``prompt``: its options
+    (with the whole prompt) are the next row's."""
     if state_for(cli_args) is None:
         return
     if len(prompt) == 0:
         # Stock inserts it into the batch, whose ValueError ends the
         # generation thread; raised here, it fails this request only.
         raise ValueError("The prompt is empty: it encodes to no tokens.")
-    _admission.value = (getattr(request, _REQUEST_ATTR, None), list(prompt))
+    options = _request_options.get(request)
+    prompt = list(prompt)
+    _admitting.value = replace(options, prompt=prompt) if options is not None else None
 
 
-def _take_admission() -> Tuple[Optional[RequestInfo], Optional[List[int]]]:
-    value = getattr(_admission, "value", None)
-    _admission.value = None
-    return value if value is not None else (None, None)
+def _take_admitted() -> Optional[RequestOptions]:
+    options = getattr(_admitting, "value", None)
+    _admitting.value = None
+    return options
 
 
-def batch_row_options(segments: Sequence[Sequence[int]], all_tokens: Sequence[int]) -> RowOptions:
-    """Drafting options of a sequence the server inserts into its batch."""
-    from ..batch import RowOptions
-
-    info, prompt = _take_admission()
+def admitted_options(segments: Sequence[Sequence[int]], all_tokens: Sequence[int]
+                     ) -> RequestOptions:
+    """The options of a sequence the server inserts into its batch: the
+    admitted request's, where its prompt is that sequence's."""
+    options = _take_admitted()
     full = list(all_tokens) + [t for s in segments for t in s]
-    if info is None or prompt != full:
+    if options is None or options.prompt != full:
         # Not the request we were told about: no drafting, nothing cached.
-        return RowOptions(use_drafter=False)
-    return RowOptions(
-        num_draft_tokens=info.num_draft_tokens,
-        scope=info.scope,
-        prompt=prompt,
-        usage=info.usage,
-        arrived=info.arrived,
-    )
+        return RequestOptions(use_drafter=False)
+    return options
 
 
 def make_batch_generator(stock_cls: Callable[..., Any], model: Any, **kwargs: Any) -> Any:
     """The server's ``BatchGenerator(model, ...)``: a suffix batch generator
     for a model registered by a suffix server, else the stock one."""
-    entry = _entry_for_model(model)
+    entry = _entries.get(model)
     if entry is None or entry.drafter is None:
         return stock_cls(model, **kwargs)
     from ..batch import SuffixBatchGenerator
@@ -666,17 +663,13 @@ def make_batch_generator(stock_cls: Callable[..., Any], model: Any, **kwargs: An
     generator = SuffixBatchGenerator(
         model,
         entry.drafter,
-        options_source=batch_row_options,
+        options_source=admitted_options,
         stats=entry.batch_stats,
         requests_waiting=entry.requests_waiting,
         **kwargs,
     )
     entry.generators.add(generator)
     return generator
-
-
-def _entry_for_model(model: Any) -> Optional[ModelEntry]:
-    return getattr(model, _MODEL_ATTR, None)
 
 
 def on_model_loaded(provider: Any, model_path: str) -> None:
@@ -697,12 +690,14 @@ def single_stream_generate(
     kwargs: Dict[str, Any],
 ):
     """The server's single-request ``stream_generate`` call, with the suffix
-    drafter of the model when the request being served asked for it."""
-    info, full = _take_admission()
-    entry = _entry_for_model(model)
+    drafter of the model and the admitted request's options when it asked
+    for it."""
+    options = _take_admitted()
+    full = options.prompt if options is not None else []
+    entry = _entries.get(model)
     if (
         draft_model is not None
-        or info is None
+        or options is None
         or entry is None
         or entry.drafter is None
         or kwargs.get("input_embeddings") is not None
@@ -715,29 +710,25 @@ def single_stream_generate(
         )
     kwargs = dict(kwargs)
     kwargs.pop("input_embeddings", None)
-    kwargs.update(
-        num_draft_tokens=info.num_draft_tokens,
-        draft_prompt=full,
-        draft_scope=info.scope,
-        draft_usage=info.usage,
-    )
+    kwargs.update(num_draft_tokens=options.num_draft_tokens, draft_options=options)
     return stream_generate(
         model, tokenizer, prompt, max_tokens=max_tokens, draft_model=entry.drafter, **kwargs
     )
 
 
 # -------------------------------------------------------------- failures
-_IN_FLIGHT_ATTR = "_mlx_lm_suffix_in_flight"
 #: What a client is told when generation failed (the details go to the log:
 #: one request's failure fails every request of its batch).
 GENERATION_FAILED = "generation failed (details in the server log)"
 
 
 def _in_flight(generator: Any) -> "weakref.WeakSet":
-    queues = getattr(generator, _IN_FLIGHT_ATTR, None)
+    """The response queues of the requests ``generator`` (a
+    ``ResponseGenerator``) took and has not failed."""
+    queues = _taken.get(generator)
     if queues is None:
         queues = weakref.WeakSet()
-        setattr(generator, _IN_FLIGHT_ATTR, queues)
+        _taken.set(generator, queues)
     return queues
 
 
@@ -782,7 +773,7 @@ def generate_restarting(generator: Any, stock_generate: Callable[[Any], None]) -
                 # (extra items in finished requests' queues are never read)
                 q.put(RuntimeError(GENERATION_FAILED))
             state.abandon_batches()
-            if generator._stop or not taken:
+            if internals.stopping(generator) or not taken:
                 raise
             logger.exception("mlx-lm-suffix: the generation loop failed: %s", e)
             logger.warning(
@@ -802,17 +793,15 @@ def answer_error(handler: Any, error: BaseException) -> None:
     if isinstance(error, (BrokenPipeError, ConnectionResetError)):
         logger.debug("mlx-lm-suffix: client disconnected: %s", error)
         return
-    generating = getattr(handler, _GENERATING_ATTR, False)
+    generating = bool(_generating.get(handler, False))
     logger.error("mlx-lm-suffix: request failed: %s", error, exc_info=generating)
     message = GENERATION_FAILED if generating else str(error) or type(error).__name__
-    buffered = getattr(handler, "_headers_buffer", None)
     try:
-        if buffered or buffered is None:  # no header reached the client
-            handler._headers_buffer = []
+        if internals.headers_unsent(handler):
             if isinstance(error, UnicodeDecodeError):
                 message = f"Invalid JSON in request body: {error}"
             body = json.dumps({"error": message}).encode()
-            handler._set_completion_headers(500 if generating else 400)
+            internals.start_json_response(handler, 500 if generating else 400)
             handler.send_header("Content-Length", str(len(body)))
             handler.end_headers()
             handler.wfile.write(body)
@@ -824,10 +813,7 @@ def answer_error(handler: Any, error: BaseException) -> None:
         pass
 
 
-_GENERATING_ATTR = "_mlx_lm_suffix_generating"
-
-
 def mark_generating(handler: Any, generating: bool = True) -> None:
     """Whether the request being handled reached generation (an error after
     that is the server's: 500)."""
-    setattr(handler, _GENERATING_ATTR, generating)
+    _generating.set(handler, generating)

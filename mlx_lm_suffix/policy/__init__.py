@@ -8,7 +8,6 @@ from .rules import (
     BATCH_MARGIN,
     best_batch_lengths,
     best_length,
-    expected_accepted,
 )
 
 __all__ = [
@@ -18,6 +17,5 @@ __all__ = [
     "VerifyCost",
     "best_batch_lengths",
     "best_length",
-    "expected_accepted",
     "given_first",
 ]

@@ -59,11 +59,10 @@ class Calibration:
     any accepted. Long matches (a repeated request, text copied before)
     are pooled apart, so the distrust short template matches teach does not
     carry over to repeats. Counts are halved once a cell has seen 500 expected
-    tokens, so it keeps adapting. ``draft_weight`` must be finite: on
-    replays of answers that copy their prompt, independent steps (an
-    infinite weight) lost 12-23%; 3, 5 and 10 differ by a few percent with
-    no order, on those and on a real model's own outputs, and 5 is the
-    middle one. ``max_ratio`` bounds how far a streak
+    tokens, so it keeps adapting. ``draft_weight`` must be finite
+    (independent steps make a long copy's tail look as likely as its first
+    tokens); its value matters little (docs/choosing-defaults.md).
+    ``max_ratio`` bounds how far a streak
     of full acceptances can lift a low estimate (one of several
     continuations seen reads below 1 and may be lifted to certainty, not
     beyond)."""
@@ -305,8 +304,7 @@ class RequestTrust:
         for i in range(start, end):
             src = "tree" if source == "copy" and i < tree_len else source
             if i:
-                q, p = probs[i - 1], probs[i]
-                key, e = ("tail", src), (p / q if p < q else 1.0) if q > 0 else 0.0
+                key, e = ("tail", src), given(probs[i], probs[i - 1])
             else:
                 key, e = ("first", src), probs[0]
             c = counts.get(key)
@@ -318,10 +316,17 @@ class RequestTrust:
                 c[0], c[1] = c[0] * 0.5, c[1] * 0.5
 
 
+def given(p: float, q: float) -> float:
+    """The chance that a draft's first ``i`` tokens hold given that its
+    first ``j < i`` do, from their cumulative estimates ``p`` and ``q``:
+    ``p / q``, at most 1, and 0 where ``q`` is 0."""
+    return (p / q if p < q else 1.0) if q > 0 else 0.0
+
+
 def _steps(probs: Sequence[float]) -> List[float]:
     """Each draft token's estimate after the first, given the one before
     it (the trees' estimates are cumulative)."""
-    return [(p / q if p < q else 1.0) if q > 0 else 0.0 for q, p in zip(probs, probs[1:])]
+    return [given(p, q) for q, p in zip(probs, probs[1:])]
 
 
 def given_first(probs: Sequence[float]) -> List[float]:
@@ -329,5 +334,4 @@ def given_first(probs: Sequence[float]) -> List[float]:
     is right (the trees' estimates are cumulative)."""
     if not probs or probs[0] <= 0:
         return []
-    first = probs[0]
-    return [p / first if p < first else 1.0 for p in probs[1:]]
+    return [given(p, probs[0]) for p in probs[1:]]

@@ -195,6 +195,12 @@ class VerifyCost:
             self._envelope()
 
 
+def scratch_vocabulary(model: nn.Module) -> int:
+    """How many token ids a scratch forward of ``model`` may feed: its
+    ``vocab_size`` (32 where it names none)."""
+    return getattr(getattr(model, "args", None), "vocab_size", 32)
+
+
 def _time_forwards(
     model: nn.Module, sizes: Sequence[int], context: int, repeats: int, min_seconds: float
 ) -> Dict[int, float]:
@@ -205,8 +211,7 @@ def _time_forwards(
 
     from .. import ranks, rollback
 
-    vocab = getattr(getattr(model, "args", None), "vocab_size", 32)
-    tokens = mx.arange(context + max(sizes)) % vocab
+    tokens = mx.arange(context + max(sizes)) % scratch_vocabulary(model)
     points = {}
     cache = make_prompt_cache(model)
     model(tokens[None, :context], cache=cache)

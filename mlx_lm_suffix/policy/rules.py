@@ -30,11 +30,10 @@ BATCH_MARGIN = 1.2
 #: to commit tokens (:func:`best_length`). The curve prices the forwards it
 #: timed, and a verification costs more in ways it does not see (timing
 #: noise, which the curve trims from above only; rollback and the tokens'
-#: hand-out; on a GPU the plain step after it, which overlaps nothing). Where
-#: a draft token costs nearly a plain step (a quantized model on a CPU) no
-#: draft gains more than a few percent, and those the curve priced at break
-#: even lost: there nothing is verified. Where drafts gain more (a GPU, a
-#: float32 model's copies) the margin changes nothing.
+#: hand-out; on a GPU the plain step after it, which overlaps nothing): a
+#: draft priced at break even loses. The margin decides only where drafts
+#: gain little (a draft token costs nearly a plain step); where they gain
+#: more it changes nothing (docs/choosing-defaults.md).
 MARGIN = 1.05
 
 
@@ -287,11 +286,6 @@ class Policy:
         if len(plain) == PLAIN_STEPS:
             self.observe(1, sum(plain) / PLAIN_STEPS)
             plain.clear()
-
-
-def expected_accepted(probs: Sequence[float], length: int) -> float:
-    """Expected accepted tokens of the first ``length`` draft tokens."""
-    return sum(probs[:length])
 
 
 def best_length(

@@ -75,8 +75,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..drafter import Draft, SuffixDrafter
+from ..drafter import SuffixDrafter
 from ..patches.serving import STATS_PATH
+from ..sources import Draft
 from .launcher import ServerProcess, distributed_command
 from .workloads import read_jsonl, read_workload
 

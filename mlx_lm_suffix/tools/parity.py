@@ -38,6 +38,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..drafter import DEFAULT_NUM_DRAFT_TOKENS, SuffixDrafter
 from ..loop import suffix_generate_step
+from ..speculation import RequestOptions
 
 EXACT = "EXACT"
 NEAR_TIE = "NEAR_TIE"
@@ -305,7 +306,7 @@ def parity(
         step_fn: The spec-on generator, called like
             :func:`suffix_generate_step` ``(prompt, model, drafter,
             num_draft_tokens=..., max_tokens=..., prompt_cache=...,
-            draft_prompt=...)``; tests inject broken ones.
+            options=RequestOptions(prompt=...))``; tests inject broken ones.
         report: Called with a line of progress (see :class:`Progress`).
         kv_bits, kv_group_size, quantized_kv_start: KV cache quantization,
             as for ``generate_step``, in every run.
@@ -350,7 +351,7 @@ def parity(
                 num_draft_tokens=num_draft_tokens,
                 max_tokens=max_tokens,
                 prompt_cache=copy.deepcopy(cache),
-                draft_prompt=ids,
+                options=RequestOptions(prompt=ids),
                 **kv,
             ):
                 tokens.append(int(tok))

@@ -7,9 +7,9 @@ accepted exactly as far as it equals the response. This measures what the
 suffix trees would predict on a real workload and picks the drafting knobs
 for ``mlx_lm.server --draft suffix``.
 
-The replay steps each request through the same code as the single-sequence
-loop (:func:`mlx_lm_suffix.speculation.step`), with the logged response
-playing the model (:func:`replay`): pipelined plain steps whose forward
+The replay steps each request through the single-sequence loop
+(:func:`mlx_lm_suffix.loop.decode`), with the logged response playing the
+model (:func:`replay`): pipelined plain steps whose forward
 checks a draft's first token, verifications of confirmed drafts, settled
 verifications of the pending token with a draft, the same caps and the same
 policy. With ``policy="adaptive"`` (the default, as in the server) each
@@ -58,8 +58,8 @@ from typing import (
     Union,
 )
 
-from .. import speculation
 from ..drafter import SuffixDrafter
+from ..loop import decode
 from ..policy import VerifyCost
 from ..policy.cost import CALIBRATION_SIZES
 from ..speculation import Row
@@ -248,21 +248,21 @@ def expand_grid(grid: Grid) -> List[Dict[str, Any]]:
     return points
 
 
-class _Replay:
-    """The driver of one recorded request (:class:`~mlx_lm_suffix.
-    speculation.Driver`): its response plays the target model, which
-    samples the response's next token after any input; a forward of ``n``
-    tokens costs ``cost(n - 1)``, summed in ``total``, and the policy learns
-    it as ``step`` times that many seconds. Each time the host reads a
-    forward's result before it queues the next (a verification, a check of
-    first tokens) the device waits ``wait`` more (in plain steps, in
-    ``total``; as seconds in the policy's idle time, which it prices). As
-    the loop, the policy learns a plain step from each that follows another
+class Replay:
+    """One recorded request as a :class:`~mlx_lm_suffix.loop.Target`: its
+    response plays the target model, which samples the response's next
+    token after any input; a forward of ``n`` tokens costs ``cost(n - 1)``,
+    summed in ``total``, and the policy learns it as ``step`` times that
+    many seconds. Each time the host reads a forward's result before it
+    queues the next (a verification, a check of first tokens) the device
+    waits ``wait`` more (in plain steps, in ``total``; as seconds in the
+    policy's idle time, which it prices). As the loop, the policy learns a
+    plain step from each that follows another
     (:meth:`~mlx_lm_suffix.policy.Policy.observe_plain`)."""
 
     def __init__(self, row: Row, response: List[int], policy: Any, cost: CostFn, step: float,
                  wait: float = 0.0):
-        self.rows, self.policy, self.cost, self.step = [row], policy, cost, step
+        self.row, self.policy, self.cost, self.step = row, policy, cost, step
         self.response, self.wait = response, wait
         self.at = 0  # where the pending token is in the response
         self.total = 0.0
@@ -272,37 +272,37 @@ class _Replay:
 
     def _waits(self) -> None:
         self.total += self.wait
-        self.policy.stats.idle_s += self.wait * self.step
+        self.policy.stats.waited(self.wait * self.step, False)
 
-    def pending(self) -> List[int]:
+    def pending(self) -> int:
         self._plain_run = False
         if self._queued:
             self._queued = False
             self._waits()
-        return [self.response[self.at]]
+        return self.response[self.at]
 
     def plain(self) -> None:
         self.total += self.cost(0)
         if self._plain_run:
             self.policy.observe_plain(self.cost(0) * self.step)
         self._plain_run = True
-        self.rows[0].stepped(self.response[self.at])
+        self.row.stepped(self.response[self.at])
         self.at += 1
         self._queued = True
 
-    def verify(self, inputs: List[List[int]]) -> None:
-        self._fed, self._queued, self._plain_run = inputs[0], False, False
-        self.total += self.cost(len(self._fed) - 1)
+    def verify(self, tokens: List[int]) -> None:
+        self._fed, self._queued, self._plain_run = tokens, False, False
+        self.total += self.cost(len(tokens) - 1)
         self._waits()
-        self.policy.observe(len(self._fed), self.cost(len(self._fed) - 1) * self.step)
+        self.policy.observe(len(tokens), self.cost(len(tokens) - 1) * self.step)
 
-    def verified(self) -> List[List[int]]:
+    def verified(self) -> List[int]:
         after = self.response[self.at + 1 : self.at + 1 + len(self._fed)]
-        return [after + [-1] * (len(self._fed) - len(after))]
+        return after + [-1] * (len(self._fed) - len(after))
 
-    def keep(self, accepted: List[int], first: List[int]) -> None:
-        self.rows[0].emit(self._fed[: accepted[0] + 1], drafted=accepted[0] + first[0])
-        self.at += accepted[0] + 1
+    def commit(self, accepted: int, draft: Any, first: int) -> None:
+        self.row.emit(self._fed[: accepted + 1], accepted + first, draft.source)
+        self.at += accepted + 1
 
     def room(self) -> float:
         return math.inf
@@ -319,30 +319,30 @@ def replay(
     wait: float = 0.0,
 ) -> tuple[float, float]:
     """Replay one request through ``drafter`` as the single-sequence loop
-    steps it (:func:`~mlx_lm_suffix.speculation.step`, pipelining
-    included), counting into its ``stats``: the first response token comes
-    from the prompt's forward; every step is a plain forward (``cost(0)``),
-    a plain forward and a verification of a confirmed draft, or, settled,
-    a verification of the pending token and a draft of ``k`` tokens
+    steps it (:func:`~mlx_lm_suffix.loop.decode`, pipelining included),
+    counting into its ``stats``: the first response token comes from the
+    prompt's forward; every step is a plain forward (``cost(0)``), a plain
+    forward and a verification of a confirmed draft, or, settled, a
+    verification of the pending token and a draft of ``k`` tokens
     (``cost(k)``). The policy learns each forward as ``step_seconds`` times
     its cost (a plain step's seconds), to weigh against its host time.
     ``wait``: plain steps the device waits after each forward whose result
     the host reads (a verification, a check of first tokens), as the loop's
-    ``idle_us_per_wait`` over its plain step (:class:`_Replay`).
+    ``idle_us_per_wait`` over its plain step (:class:`Replay`).
 
     Returns ``(verification_cost, host_seconds)``: the summed ``cost`` of
     its forwards, and the wall time of the steps' own work (drafting and
     the policy)."""
     response = list(record.response)
     req = drafter.start(record.prompt, scope=record.user)
-    driver = _Replay(Row(drafter, req, drafter.num_draft_tokens, len(response)), response,
-                     drafter.policy, cost, step_seconds, wait)
-    settled, tic = False, time.perf_counter()
-    while driver.rows[0].emitted < len(response):
-        settled = speculation.step(driver, settled)
+    row = Row(drafter, req, drafter.num_draft_tokens, len(response))
+    target = Replay(row, response, drafter.policy, cost, step_seconds, wait)
+    tic = time.perf_counter()
+    for _ in decode(target, row):
+        pass
     seconds = time.perf_counter() - tic
-    driver.rows[0].finish()
-    return driver.total, seconds
+    row.finish()
+    return target.total, seconds
 
 
 def simulate(

@@ -9,7 +9,8 @@ from typing import Dict, Hashable, List, Tuple
 
 from arctic_inference.suffix_decoding import SuffixDecodingCache
 
-from .policy.calibration import LONG_MATCH
+from .. import internals
+from ..policy.calibration import LONG_MATCH
 
 
 class ResponseStore:
@@ -69,14 +70,6 @@ class ResponseStore:
         return evicted
 
 
-#: What of arctic-inference 0.3.0's ``SuffixDecodingCache`` (pinned in
-#: setup.cfg) :class:`SuffixTrees` uses beside its public methods: the C++
-#: trees themselves (a request's own, and the global one with each active
-#: request's sequence id), so that a step's extend and walks cost no
-#: wrapper (its ``speculate`` converts every field of both trees' drafts).
-NATIVE = ("_local_trees", "_global_tree", "_req_to_seq_id")
-
-
 class SuffixTrees:
     """The arctic-inference caches of one drafter, one per scope (each holds
     its active requests' trees and a global tree of responses), and the
@@ -94,15 +87,8 @@ class SuffixTrees:
         self.kept = ResponseStore(max_requests, max_tokens)
         self._caches: Dict[Hashable, SuffixDecodingCache] = {}
 
-    def __contains__(self, scope: Hashable) -> bool:
-        return scope in self._caches
-
     def __getitem__(self, scope: Hashable) -> SuffixDecodingCache:
         return self._caches[scope]
-
-    def scopes(self) -> List[Hashable]:
-        """The scopes that have a cache now."""
-        return list(self._caches)
 
     def open(self, scope: Hashable) -> SuffixDecodingCache:
         """The cache of ``scope``, made if it has none."""
@@ -110,12 +96,7 @@ class SuffixTrees:
         if cache is None:
             n = -1 if self.shared and scope is not self.private else 0
             cache = SuffixDecodingCache(self.depth, max_cached_requests=n)
-            missing = [a for a in NATIVE if not hasattr(cache, a)]
-            if missing:
-                raise RuntimeError(
-                    f"arctic-inference's SuffixDecodingCache lacks {', '.join(missing)}: "
-                    "mlx-lm-suffix needs arctic-inference 0.3.0"
-                )
+            internals.check_arctic(cache)
             self._caches[scope] = cache
         return cache
 
@@ -139,14 +120,14 @@ class SuffixTrees:
     def extend(self, req_id: int, scope: Hashable, tokens: List[int]) -> None:
         """``tokens`` into the request's own tree and its scope's global tree
         (arctic-inference's ``add_active_response``, on its C++ trees
-        directly: :data:`NATIVE`)."""
+        directly: :data:`~mlx_lm_suffix.internals.ARCTIC`)."""
         cache = self._caches[scope]
         if not tokens:
             return
-        cache._local_trees[req_id].extend(0, tokens)
-        seq = cache._req_to_seq_id.get(req_id)
+        internals.own_tree(cache, req_id).extend(0, tokens)
+        seq = internals.global_sequence(cache, req_id)
         if seq is not None:
-            cache._global_tree.extend(seq, tokens)
+            internals.global_tree(cache).extend(seq, tokens)
 
     def speculate(self, req_id: int, scope: Hashable, context: List[int], limit: int,
                   factor: float, offset: float, min_prob: float) -> Tuple[List[int], List[float], int]:
@@ -158,11 +139,12 @@ class SuffixTrees:
         arctic's ``SuffixDecodingCache.speculate`` takes the better score:
         a continuation seen once in the prompt would then outscore a longer
         match's continuation that two earlier answers share and a third
-        leaves. (On the C++ trees directly: :data:`NATIVE`.)"""
+        leaves. (On the C++ trees directly:
+        :data:`~mlx_lm_suffix.internals.ARCTIC`.)"""
         cache = self._caches[scope]
         knobs = (limit, factor, offset, min_prob, False)
-        own = cache._local_trees[req_id].speculate(context, *knobs)
-        other = cache._global_tree.speculate(context, *knobs)
+        own = internals.own_tree(cache, req_id).speculate(context, *knobs)
+        other = internals.global_tree(cache).speculate(context, *knobs)
         a, b = own.match_len, other.match_len
         if a > b or (a == b and own.score >= other.score):
             return own.token_ids, own.probs, a  # (new lists each read)
@@ -208,11 +190,10 @@ class SuffixTrees:
 
     def tree_responses(self) -> int:
         """Responses the global trees themselves hold (active requests'
-        included), counted apart from the store's bookkeeping. Relies on
-        ``SuffixDecodingCache._global_tree`` (arctic-inference 0.3.0):
-        ``num_seqs()`` is O(1), unlike ``estimate_memory()``, which walks
-        the tree."""
-        return sum(c._global_tree.num_seqs() for c in self._caches.values())
+        included), counted apart from the store's bookkeeping (the global
+        trees' ``num_seqs()`` is O(1), unlike ``estimate_memory()``, which
+        walks the tree)."""
+        return sum(internals.global_tree(c).num_seqs() for c in self._caches.values())
 
     def _drop_if_empty(self, scope: Hashable) -> None:
         # A user scope with nothing active or cached keeps no tree around.
