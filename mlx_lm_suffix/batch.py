@@ -71,7 +71,8 @@ from .internals import Attached
 from .loop import context_limit
 from .policy.rules import Policy
 from .sources import Draft
-from .speculation import RequestOptions, Row, accept, check, cut, plan, plan_row
+from .sources.draft_model import Paired
+from .speculation import RequestOptions, Row, accept, check, cut, plan
 from .stats import BatchDraftStats
 
 __all__ = [
@@ -199,9 +200,12 @@ class SuffixGenerationBatch(GenerationBatch):
 
     # ---------------------------------------------------------- row set
     def _add_rows(self, n0: int) -> None:
+        paired = isinstance(self.model, Paired)
         for i in range(n0, len(self.uids)):
             opts = self.row_options.pop(self.uids[i], None) or self.default_options
-            self.rows.append(opts.start(self.drafter, self.tokens[i], self.max_tokens[i]))
+            row = opts.start(self.drafter, self.tokens[i], self.max_tokens[i])
+            row.model = paired and row.num_draft_tokens > 0
+            self.rows.append(row)
             if opts.arrived is not None:
                 self.draft_stats.count_wait(_waited(self._verify_spans, opts.arrived))
 
@@ -227,6 +231,8 @@ class SuffixGenerationBatch(GenerationBatch):
             self._leaving += gone
         super().filter(keep)
         self.rows = [self.rows[i] for i in keep]
+        if isinstance(self.model, Paired) and self.prompt_cache:
+            self.model.keep_rows(self.prompt_cache, keep)
 
     def extract_cache(self, idx: int) -> List[Any]:
         self._undo_held()
@@ -294,17 +300,19 @@ class SuffixGenerationBatch(GenerationBatch):
                 continue
             if out and self.prefilling():
                 break
-            if self.phase is Phase.SETTLED and len(self.rows) == 1:
-                # One row: draft after its pending token and verify both now
-                # where that pays, read in the next call while the caller
-                # handles this one's tokens.
+            if self.phase is Phase.SETTLED and (len(self.rows) == 1 or self._models()):
+                # One row (or rows with a draft model): draft after the
+                # pending tokens and verify both now where that pays, read
+                # in the next call while the caller handles this one's
+                # tokens.
                 since = time.perf_counter()
                 pending = internals.pending_tokens(self).tolist()
-                self.rows[0].commit_ahead(pending[0])
-                _, draft = plan_row(self.rows[0], self, True, budget)
-                if draft:
+                for row, p in zip(self.rows, pending):
+                    row.commit_ahead(p)
+                _, drafts = plan(self.rows, self, True, budget)
+                if any(drafts):
                     stats.waited(time.perf_counter() - since, False)
-                    v = self.verify(pending, [draft], 0)
+                    v = self.verify(pending, drafts, 0)
                     if out:
                         self.phase, self.held, self._returned = Phase.HELD, v, time.perf_counter()
                         break
@@ -353,6 +361,11 @@ class SuffixGenerationBatch(GenerationBatch):
         self.phase = Phase.STEP
         return out
 
+    def _models(self) -> bool:
+        """Whether a row drafts from a draft model (a batch's settled step
+        then verifies: its first tokens are its surest)."""
+        return any(row.model for row in self.rows)
+
     def _can_draft(self) -> bool:
         """Whether the rows may draft: a drafter, a row with draft tokens,
         and a cache whose rows roll back."""
@@ -390,6 +403,11 @@ class SuffixGenerationBatch(GenerationBatch):
 
     def replays(self, width: int) -> bool:
         return rollback.replays(self.prompt_cache, width)
+
+    def model_draft(self, steps: int, settled: bool, contexts: Optional[List[List[int]]]
+                    ) -> Tuple[List[List[int]], List[List[float]], float]:
+        first = internals.pending_tokens(self) if settled else None
+        return self.drafter.draft_model.draft(self.model, self.prompt_cache, first, steps, contexts)
 
     def verify(self, pending: List[int], drafts: List[Draft], first: int) -> Verification:
         """Queue one forward over each row's ``[pending] + draft[first:]``,
@@ -534,6 +552,11 @@ class SuffixBatchGenerator(BatchGenerator):
         requests_waiting: Optional[Callable[[], bool]] = None,
         **kwargs: Any,
     ):
+        if drafter.draft_model is not None:
+            if kwargs.get("max_kv_size") is not None:
+                raise ValueError("max_kv_size is not supported with a draft model")
+            model = drafter.draft_model.pair(model)
+            drafter.policy.ensure_draft_cost(drafter.draft_model.model)
         super().__init__(model, **kwargs)
         self.drafter = drafter
         self.options_source = options_source
@@ -619,6 +642,9 @@ class SuffixBatchGenerator(BatchGenerator):
                 self.options_source(seg, at)
                 for seg, at in zip(segments, all_tokens or [[] for _ in segments])
             ]
+        if caches is not None and isinstance(self.model, Paired):
+            caches = [self._paired_cache(c, at) for c, at in
+                      zip(caches, all_tokens or [[] for _ in caches])]
         uids = super().insert_segments(
             segments,
             max_tokens,
@@ -632,6 +658,15 @@ class SuffixBatchGenerator(BatchGenerator):
             if opts is not None:
                 self._row_options[uid] = opts
         return uids
+
+    def _paired_cache(self, cache: Optional[List[Any]], tokens: List[int]) -> Optional[List[Any]]:
+        """A sequence's cache with the draft model's entry: a target-only
+        one gets it, fed the ``tokens`` the target's holds."""
+        if cache is None or self.model.pairs(cache):
+            return cache
+        paired = list(cache) + self.model.make_cache()[self.model.target_entries:]
+        self.drafter.draft_model.prefill(paired, tokens)
+        return paired
 
     def remove(self, uids, return_prompt_caches=False):
         caches = super().remove(uids, return_prompt_caches=return_prompt_caches)

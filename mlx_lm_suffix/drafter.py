@@ -21,6 +21,7 @@ from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tupl
 from .policy import VerifyCost
 from .policy.rules import Policy
 from .sources import Draft
+from .sources.draft_model import DraftModel
 from .sources.prompt_copy import PromptCopy
 from .sources.trees import SuffixTrees
 from .stats import DraftStats
@@ -122,6 +123,13 @@ class SuffixDrafter:
             limits either way.
         cost: A :class:`~mlx_lm_suffix.policy.VerifyCost` to use instead of
             measuring one for the model at first use.
+        draft_model: A small model with the target's tokenizer (or a
+            :class:`~mlx_lm_suffix.sources.draft_model.DraftModel`): where
+            the trees have no draft worth verifying, its greedy continuation
+            is the draft (see :mod:`~mlx_lm_suffix.sources.draft_model`);
+            the policy decides which source each row drafts from, and how
+            many tokens the model drafts
+            (:meth:`~mlx_lm_suffix.policy.rules.Policy.model_steps`).
     """
 
     def __init__(
@@ -136,6 +144,7 @@ class SuffixDrafter:
         min_token_prob: float = DEFAULT_MIN_TOKEN_PROB,
         policy: str = "adaptive",
         cost: Optional[VerifyCost] = None,
+        draft_model: Any = None,
     ):
         self.num_draft_tokens = _positive_int("num_draft_tokens", num_draft_tokens, True)
         self.max_tree_depth = _positive_int("max_tree_depth", max_tree_depth)
@@ -150,6 +159,12 @@ class SuffixDrafter:
             raise ValueError(f"cost must be a VerifyCost or None, got {cost!r}")
         self.stats = DraftStats()
         self.policy = Policy(policy, cost, self.stats)
+        if draft_model is not None and not isinstance(draft_model, DraftModel):
+            if not callable(draft_model) or not hasattr(draft_model, "layers"):
+                raise ValueError(f"draft_model must be an mlx-lm model, got {draft_model!r}")
+            draft_model = DraftModel(draft_model)
+        #: The draft model source (None: the trees alone).
+        self.draft_model: Optional[DraftModel] = draft_model
         self._lock = threading.RLock()
         self._ids = itertools.count()
         self._trees = SuffixTrees(
@@ -181,6 +196,7 @@ class SuffixDrafter:
             "max_spec_offset": self.max_spec_offset,
             "min_token_prob": self.min_token_prob,
             "policy": self.policy.name,
+            "draft_model": self.draft_model is not None,
         }
 
     def snapshot(self) -> Dict[str, Any]:
@@ -291,6 +307,11 @@ class SuffixDrafter:
             self._trees.extend(req_id, req.scope, req.response[req.planted :])
             self._trees[req.scope].stop_request(req_id)
             self._trees.keep(req_id, req.scope, req.response)
+
+    def context(self, req_id: int) -> List[int]:
+        """The request's tokens the drafter holds (the prompt's last
+        :data:`PROMPT_TAIL_TOKENS` and every committed token; not a copy)."""
+        return self._active[req_id].response
 
     def drafts(self, reqs: Sequence[int], limits: Sequence[int]) -> List[Draft]:
         """Each request's draft (:meth:`propose`) of at most ``limits[i]``

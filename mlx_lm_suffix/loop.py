@@ -41,6 +41,7 @@ from .internals import Attached
 from .policy.cost import scratch_vocabulary
 from .policy.rules import Policy
 from .sources import Draft
+from .sources.draft_model import Paired
 from .speculation import RequestOptions, Row, accept, check, plan_row, resting
 
 Pending = Tuple[mx.array, mx.array]  # (token of shape [1], logprobs of shape [1, V])
@@ -173,6 +174,11 @@ class Target(Protocol):
     def replays(self, width: int) -> bool:
         """Whether a rejection after a forward ``width`` wide may cost feeding
         the kept tokens again."""
+
+    def model_draft(self, steps: int, settled: bool, contexts: Optional[List[List[int]]]
+                    ) -> Tuple[List[List[int]], List[List[float]], float]:
+        """The draft model's drafts (see :class:`~mlx_lm_suffix.speculation.
+        Driver`)."""
 
 
 def decode(target: Target, row: Row) -> Generator[None, None, None]:
@@ -397,6 +403,11 @@ class ModelTarget:
     def replays(self, width: int) -> bool:
         return rollback.replays(self.cache, width)
 
+    def model_draft(self, steps: int, settled: bool, contexts: Optional[List[List[int]]]
+                    ) -> Tuple[List[List[int]], List[List[float]], float]:
+        return self.row.drafter.draft_model.draft(self.model, self.cache,
+                                                  self.y if settled else None, steps, contexts)
+
     # ------------------------------------------------------------ consumer
     def _undo(self, saved: rollback.Checkpoint, n: int, rejected: int, kept: mx.array) -> int:
         """Drop the last ``rejected`` of the ``n`` positions fed since
@@ -509,6 +520,8 @@ def _draft_limit(drafter: SuffixDrafter, model: nn.Module, cache: List[Any],
     if num_draft_tokens == 0:
         return 0, 1
     drafter.policy.ensure_cost(model)
+    if isinstance(model, Paired):
+        drafter.policy.ensure_draft_cost(model.draft)
     _, group_size, bits = kv
     width = 1 if bits is None else quantized_width(model, bits, group_size, num_draft_tokens + 1)
     if bits is not None and width == 1:
@@ -518,6 +531,37 @@ def _draft_limit(drafter: SuffixDrafter, model: nn.Module, cache: List[Any],
             "greedy output away from stock's: drafts are verified only until the cache is "
             "quantized (quantized_kv_start), then one token per step as stock."), _warn)
     return num_draft_tokens, width
+
+
+def _paired(drafter: SuffixDrafter, model: nn.Module, cache: Optional[List[Any]],
+            max_kv_size: Optional[int], prompt: mx.array, options: RequestOptions,
+            num_draft_tokens: Optional[int]) -> Tuple[Any, List[Any]]:
+    """The model and cache a request generates with: with the drafter's
+    draft model, the target paired with it (:class:`~mlx_lm_suffix.sources.
+    draft_model.Paired`) and a cache of both. A target-only ``cache`` gets
+    a draft entry (the caller's list stays as it was), fed the cached prefix
+    of the prompt; where that prefix is not known (``options.prompt``), the
+    request drafts from the trees alone (one warning)."""
+    dm = drafter.draft_model
+    if dm is None or num_draft_tokens == 0:
+        return model, cache if cache is not None else make_prompt_cache(model, max_kv_size)
+    paired = dm.pair(model)
+    if cache is None:
+        return paired, paired.make_cache(max_kv_size)
+    if paired.pairs(cache):
+        return paired, cache
+    full = options.prompt
+    cached = None if full is None else list(full)[: len(full) - prompt.size]
+    offset = next((c.offset for c in rollback.layers(cache) if hasattr(c, "offset")), 0)
+    if cached is None and offset:
+        warn_once(model, "draft prefix", (
+            "mlx-lm-suffix: the prompt cache holds tokens the draft model has not seen "
+            "and the whole prompt is not known (options.prompt): drafting from the "
+            "suffix trees alone."), _warn)
+        return model, cache
+    paired_cache = list(cache) + paired.make_cache(max_kv_size)[paired.target_entries:]
+    dm.prefill(paired_cache, cached or [])
+    return paired, paired_cache
 
 
 def _check_prompt(prompt: mx.array) -> None:
@@ -569,14 +613,16 @@ def suffix_generate_step(
     if limit == 0:
         return
     options = options or RequestOptions()
-    cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, max_kv_size)
-    kv_quantization = (quantized_kv_start, kv_group_size, kv_bits)
+    prompt, sampler = prompt.astype(mx.uint32), sampler or greedy_sampler
     if options.num_draft_tokens is not None:
         num_draft_tokens = options.num_draft_tokens
+    model, cache = _paired(drafter, model, prompt_cache, max_kv_size, prompt, options,
+                           num_draft_tokens)
+    kv_quantization = (quantized_kv_start, kv_group_size, kv_bits)
     num_draft_tokens, kv_width = _draft_limit(drafter, model, cache, num_draft_tokens,
                                               kv_quantization)
-    prompt, sampler = prompt.astype(mx.uint32), sampler or greedy_sampler
     row = replace(options, num_draft_tokens=num_draft_tokens).start(drafter, prompt.tolist(), limit)
+    row.model = isinstance(model, Paired) and num_draft_tokens > 0
     with mx.stream(stream):
         try:
             first = _prefill(model, cache, prompt, sampler, logits_processors, kv_quantization,

@@ -260,35 +260,37 @@ BATCH: Dict[type, Kind] = {
 _ANY: Dict[type, Kind] = {**SINGLE, **BATCH}
 
 
-def _layers(cache: List[Any]) -> List[Any]:
-    """The caches of every layer, those of a ``CacheList`` one by one."""
+def layers(cache: List[Any]) -> List[Any]:
+    """The caches of every layer, those of a ``CacheList`` one by one (a
+    layer's, or a draft model's: :mod:`~mlx_lm_suffix.sources.
+    draft_model`)."""
     out = []
     for c in cache:
         # mlx-lm 0.32.2 fields: CacheList.caches.
-        out.extend(_layers(c.caches) if type(c) is _cache.CacheList else [c])
+        out.extend(layers(c.caches) if isinstance(c, _cache.CacheList) else [c])
     return out
 
 
 def _kinds(cache: List[Any], table: Dict[type, Kind]) -> List[Tuple[Any, Kind]]:
     """Every layer with its kind in ``table`` (``KeyError``: a kind it lacks)."""
-    return [(c, table[type(c)]) for c in _layers(cache)]
+    return [(c, table[type(c)]) for c in layers(cache)]
 
 
 def _known(cache: List[Any]) -> List[Tuple[Any, Kind]]:
     """Every layer of a known kind, one sequence's or a batch's, with it."""
-    return [(c, _ANY[type(c)]) for c in _layers(cache) if type(c) in _ANY]
+    return [(c, _ANY[type(c)]) for c in layers(cache) if type(c) in _ANY]
 
 
 def supports(cache: List[Any]) -> bool:
     """Whether every layer of a single-sequence cache can roll back."""
-    layers = _layers(cache)
-    return bool(layers) and all(type(c) in SINGLE for c in layers)
+    found = layers(cache)
+    return bool(found) and all(type(c) in SINGLE for c in found)
 
 
 def supports_batch(cache: List[Any]) -> bool:
     """Whether every layer of a batch cache can roll rows back."""
-    layers = _layers(cache)
-    return bool(layers) and all(type(c) in BATCH for c in layers)
+    found = layers(cache)
+    return bool(found) and all(type(c) in BATCH for c in found)
 
 
 class Checkpoint(NamedTuple):
@@ -304,9 +306,9 @@ def checkpoint(cache: List[Any]) -> Checkpoint:
     return Checkpoint({i: s for i, s in enumerate(saved) if s is not None})
 
 
-def _rewind(layers: List[Tuple[Any, Kind]], saved: Checkpoint, fed: int) -> None:
+def _rewind(kinds: List[Tuple[Any, Kind]], saved: Checkpoint, fed: int) -> None:
     """Every layer back to the checkpoint, ``fed`` positions ago."""
-    for i, (c, kind) in enumerate(layers):
+    for i, (c, kind) in enumerate(kinds):
         kind.rewind(c, saved.states.get(i), fed)
 
 
@@ -317,12 +319,12 @@ def undo(cache: List[Any], saved: Checkpoint, fed: int, rejected: int) -> int:
     rejected`` (every layer is back at the checkpoint)."""
     if rejected <= 0:
         return 0
-    layers = _kinds(cache, SINGLE)
-    if all(kind.can_trim(c) for c, kind in layers):
-        for c, kind in layers:
+    kinds = _kinds(cache, SINGLE)
+    if all(kind.can_trim(c) for c, kind in kinds):
+        for c, kind in kinds:
             kind.trim(c, rejected)
         return 0
-    _rewind(layers, saved, fed)
+    _rewind(kinds, saved, fed)
     return fed - rejected
 
 
@@ -330,12 +332,12 @@ def room(cache: List[Any], limit: Optional[int] = None) -> float:
     """How many more positions a cache (one sequence's, or a batch's) can
     take and still be rolled back, within the context ``limit`` (a batch:
     its longest row's, :func:`batch_length_bound`)."""
-    layers = _known(cache)
-    n = min((kind.room(c) for c, kind in layers), default=math.inf)
+    kinds = _known(cache)
+    n = min((kind.room(c) for c, kind in kinds), default=math.inf)
     if limit is not None:
         longest = batch_length_bound(cache)
         if longest is None:
-            lengths = (kind.length(c) for c, kind in layers)
+            lengths = (kind.length(c) for c, kind in kinds)
             longest = max((x for x in lengths if x is not None), default=None)
         if longest is not None:
             n = min(n, limit - longest)
@@ -351,8 +353,15 @@ def replays(cache: List[Any], n: int) -> bool:
 
 def describe(cache: List[Any]) -> str:
     """The cache kinds that cannot roll back, for messages."""
-    names = {type(c).__name__ for c in _layers(cache) if type(c) not in SINGLE}
+    names = {type(c).__name__ for c in layers(cache) if type(c) not in SINGLE}
     return ", ".join(sorted(names or {type(c).__name__ for c in cache}))
+
+
+def drop(cache: List[Any], saved: Checkpoint, fed: int) -> None:
+    """Drop every position fed since ``saved`` (every row's, in a batch,
+    all fed as many): each layer goes back on its own (nothing of them is
+    kept, so nothing is fed again)."""
+    _rewind(_kinds(cache, _ANY), saved, fed)
 
 
 def plan(rejected: Sequence[int]) -> Tuple[int, List[int]]:
@@ -377,13 +386,13 @@ def undo_rows(cache: List[Any], saved: Checkpoint, fed: int, rejected: Sequence[
     every row rejects the same count)."""
     if not any(rejected):
         return False
-    layers = _kinds(cache, BATCH)
-    if all(kind.can_trim(c) for c, kind in layers):
+    kinds = _kinds(cache, BATCH)
+    if all(kind.can_trim(c) for c, kind in kinds):
         common, extra = plan(rejected)
-        for c, kind in layers:
+        for c, kind in kinds:
             kind.trim_rows(c, common, extra)
         return False
-    _rewind(layers, saved, fed)
+    _rewind(kinds, saved, fed)
     return True
 
 
@@ -394,20 +403,20 @@ def replay_rows(model: Any, cache: List[Any], tokens: Sequence[Sequence[int]]) -
     width = max(lengths)
     padding = [width - n for n in lengths]
     inputs = mx.array([list(t) + [0] * p for t, p in zip(tokens, padding)], dtype=mx.uint32)
-    layers = _kinds(cache, BATCH)
+    kinds = _kinds(cache, BATCH)
     if any(padding):
-        for c, _ in layers:
+        for c, _ in kinds:
             c.prepare(lengths=lengths, right_padding=padding)
     model(inputs, cache=cache)
     if any(padding):
-        for c, kind in layers:
+        for c, kind in kinds:
             kind.finalize(c)
 
 
 def kv_rows(cache: List[Any]) -> List[Any]:
     """The ``BatchKVCache`` layers of a batch cache (rolled rows leave left
     padding there)."""
-    return [c for c in _layers(cache) if BATCH.get(type(c)) is ROWS]
+    return [c for c in layers(cache) if BATCH.get(type(c)) is ROWS]
 
 
 def compact(cache: List[Any], rows: int, min_padding: int) -> bool:
@@ -419,7 +428,7 @@ def compact(cache: List[Any], rows: int, min_padding: int) -> bool:
     if not padded or ROWS.padding(padded[0]) < min_padding:
         return False
     keep = list(range(rows))
-    for c in _layers(cache):
+    for c in layers(cache):
         c.filter(keep)
     return True
 
@@ -430,9 +439,9 @@ def batch_length_bound(cache: List[Any]) -> Optional[int]:
     without waiting for the forwards queued on it: a ``BatchKVCache``
     layer's filled buffer, else a ``BatchRotatingKVCache``'s count of every
     position fed (:meth:`Kind.length`)."""
-    layers = _layers(cache)
+    found = layers(cache)
     for kind in (ROWS, BATCH_WINDOW):
-        for c in layers:
+        for c in found:
             if BATCH.get(type(c)) is kind:
                 return kind.length(c)
     return None

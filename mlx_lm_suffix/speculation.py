@@ -35,7 +35,9 @@ positions its cache can take and roll back (:meth:`Row.cap`).
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Hashable, List, Optional, Protocol, Sequence, Tuple
@@ -165,6 +167,9 @@ class Row:
     trust: RequestTrust = field(default_factory=RequestTrust)
     watch: Watch = field(default_factory=Watch)
     backoff: Backoff = field(default_factory=Backoff)
+    #: The row may draft from its drafter's draft model (its driver's cache
+    #: holds the draft model's too).
+    model: bool = False
     # Committed tokens, plain steps and host seconds not handed to the
     # drafter yet; whether it has tokens its trees have not.
     _tokens: List[int] = field(default_factory=list)
@@ -188,11 +193,12 @@ class Row:
 
     def ask(self, room: float, settled: bool) -> Tuple[Optional[Draft], int]:
         """This step's draft where the row decides it alone, or how many
-        tokens to ask its source for: ``(draft, 0)`` with the watched
+        tokens to ask its sources for: ``(draft, 0)`` with the watched
         draft's rest where the committed tokens followed it and it still
         fills half the cap, or an empty draft (the cap is below
-        :func:`shortest`, or the row skips this proposal); else ``(None,
-        k)``, ``k`` the cap."""
+        :func:`shortest`); ``(Draft(), k)`` where the row skips asking the
+        trees (a draft model may still draft ``k``); else ``(None, k)``,
+        ``k`` the cap."""
         k = self.cap(room, settled)
         if self.req is None or k < shortest(settled):
             return Draft(), 0
@@ -202,9 +208,9 @@ class Row:
             if (self.watch.following(self.emitted + self.pending_committed)
                     and len(d) - held >= max(shortest(settled), k // 2)):
                 return d.after(held, k), 0
-            self._learn(self.watch.drop())
+            self._learn(d, self.watch.drop())
         if self.backoff.skipping():
-            return Draft(), 0
+            return Draft(), k
         return None, k
 
     def proposed(self, draft: Draft, seconds: float, settled: bool) -> None:
@@ -216,7 +222,13 @@ class Row:
             self.watch.start(draft, self.emitted + self.pending_committed, not settled)
         else:
             self.drafter.policy.observe_host(seconds)
-            self._learn(False)
+            self._learn(draft, False)
+
+    def drafted(self, draft: Draft, settled: bool) -> None:
+        """The row takes ``draft`` from its draft model (watched instead of
+        its trees' proposal)."""
+        draft.trust = self.trust
+        self.watch.start(draft, self.emitted + self.pending_committed, not settled)
 
     def spent(self, seconds: float) -> None:
         """Host seconds of drafting for this row (its share of a cut)."""
@@ -227,10 +239,13 @@ class Row:
         does not draft (no drafter request, or no draft tokens), or it skips
         proposals and follows no draft."""
         return (self.req is None or self.num_draft_tokens <= 0
-                or (self.backoff.skip > 0 and not self.watch.following(self.emitted + self.pending_committed)))
+                or (self.backoff.skip > 0 and not self.model
+                    and not self.watch.following(self.emitted + self.pending_committed)))
 
-    def _learn(self, useful: Optional[bool]) -> None:
-        if useful is not None:
+    def _learn(self, draft: Draft, useful: Optional[bool]) -> None:
+        """The trees' ``draft`` was done with: the row's skips (a draft
+        model's drafts cost no walk of the trees)."""
+        if useful is not None and draft.source != "model":
             self.backoff.found(useful, self.drafter.policy.skips())
 
     # ----------------------------------------------------------- tokens
@@ -277,8 +292,9 @@ class Row:
         if self.req is None or not tokens:
             return
         self._tokens.extend(tokens)
-        if self.watch.draft is not None:
-            self._learn(self.watch.follow(tokens, start, self.trust))
+        d = self.watch.draft
+        if d is not None:
+            self._learn(d, self.watch.follow(tokens, start, self.trust))
 
     def grow(self) -> None:
         """While a forward runs: the drafter gets the committed tokens, its
@@ -353,6 +369,11 @@ class Row:
         u.drafted += drafted
         u.accepted += accepted
         u.host_s += self._host
+        if drafted:
+            origin = draft.source if draft is not None else source
+            u.source_drafted[origin] = u.source_drafted.get(origin, 0) + drafted
+        if accepted:
+            u.source_accepted[source] = u.source_accepted.get(source, 0) + accepted
         if replayed is not None:
             u.replays += 1
             u.replayed_tokens += replayed
@@ -404,7 +425,8 @@ class RequestOptions:
 
 
 class Driver(Protocol):
-    """What the decisions ask of a driver: its policy, and its cache's room."""
+    """What the decisions ask of a driver: its policy, its cache's room,
+    and its rows' draft model's drafts."""
 
     policy: Policy
 
@@ -415,6 +437,14 @@ class Driver(Protocol):
         """Whether a rejection after a forward ``width`` wide may cost feeding
         the kept tokens again."""
 
+    def model_draft(self, steps: int, settled: bool, contexts: Optional[List[List[int]]]
+                    ) -> Tuple[List[List[int]], List[List[float]], float]:
+        """``steps`` draft tokens of the draft model for every row, their
+        probabilities, and the seconds it took
+        (:meth:`~mlx_lm_suffix.sources.draft_model.DraftModel.draft`: after
+        each row's pending token where ``settled``, else after the token
+        the queued plain forward was fed; only where rows have ``model``)."""
+
 
 def shortest(settled: bool) -> int:
     """The shortest draft that can gain anything: pipelined, the plain
@@ -423,9 +453,11 @@ def shortest(settled: bool) -> int:
 
 
 def propose(rows: Sequence[Row], driver: Driver, settled: bool) -> Optional[List[Draft]]:
-    """Each row's draft (:meth:`Row.ask`; the rows that ask their source
-    ask it in one call); None where no row may draft (then the ranks of a
-    distributed server share nothing). Ranks other than 0 draft nothing:
+    """Each row's draft (:meth:`Row.ask`; the rows that ask the trees ask
+    them in one call, and those that may draft from a draft model, where
+    the policy runs it, get its drafts in one batched run:
+    :func:`_model_drafts`); None where no row may draft (then the ranks of
+    a distributed server share nothing). Ranks other than 0 draft nothing:
     :func:`cut` gives them rank 0's drafts."""
     def may_draft(room: float) -> bool:
         return any(r.req is not None and r.cap(room, settled) >= shortest(settled) for r in rows)
@@ -441,7 +473,7 @@ def propose(rows: Sequence[Row], driver: Driver, settled: bool) -> Optional[List
         return [Draft() for _ in rows]
     asks = [row.ask(room, settled) for row in rows]
     asking = [i for i, (d, _) in enumerate(asks) if d is None]
-    drafts = [d for d, _ in asks]
+    drafts = [d if d is not None else Draft() for d, _ in asks]
     if asking:
         tic = time.perf_counter()
         for i in asking:  # (the drafter's context first)
@@ -452,7 +484,54 @@ def propose(rows: Sequence[Row], driver: Driver, settled: bool) -> Optional[List
         for i, d in zip(asking, fresh):
             rows[i].proposed(d, took, settled)
             drafts[i] = d
+    model = [i for i, (d, k) in enumerate(asks) if k and rows[i].model]
+    if model:
+        _model_drafts(rows, drafts, model, [asks[i][1] for i in model], driver, settled)
     return drafts
+
+
+def _model_drafts(rows: Sequence[Row], drafts: List[Draft], asking: List[int], caps: List[int],
+                  driver: Driver, settled: bool) -> None:
+    """The draft model's drafts, in place of ``drafts[i]`` for the rows
+    ``asking`` (``caps``: their most tokens) where the policy prefers them
+    (:meth:`~mlx_lm_suffix.policy.rules.Policy.better`): it runs for the
+    rows whose trees' draft is expected to hold fewer tokens than its own
+    (each row's chance a model token holds, :meth:`~mlx_lm_suffix.policy.
+    rules.Policy.model_rate`, over its cap), as many steps as
+    :meth:`~mlx_lm_suffix.policy.rules.Policy.model_steps` says (one
+    batched run for every row of the driver)."""
+    policy = driver.policy
+    want, rates = [], []
+    for i, k in zip(asking, caps):
+        f, t = rate = policy.model_rate(rows[i].trust)
+        expected = f * (k if t >= 1.0 else (1.0 - t ** k) / (1.0 - t))
+        if not drafts[i] or sum(policy.probs(drafts[i])) < expected:
+            want.append(i)
+            rates.append(rate)
+    if not want:
+        return
+    steps = policy.model_steps(rates, len(rows), not settled, max(caps[asking.index(i)] for i in want))
+    if not steps:
+        return
+    drafter = rows[want[0]].drafter
+    for i in want:
+        rows[i].flush(grow=not settled)
+    contexts = None
+    if drafter.draft_model.guide is not None:
+        contexts = [drafter.context(r.req) if r.req is not None else [] for r in rows]
+    tokens, probs, seconds = driver.model_draft(steps, settled, contexts)
+    if not tokens:
+        return
+    policy.observe_draft(steps, len(rows), seconds)
+    for i in want:
+        n = min(steps, caps[asking.index(i)])
+        cumulative = list(itertools.accumulate(probs[i][:n], operator.mul))
+        d = Draft(tokens[i][:n], cumulative, source="model", trust=rows[i].trust)
+        policy.drafted(d)
+        rows[i].spent(seconds / len(want))
+        if policy.better(drafts[i], d) is d:
+            rows[i].drafted(d, settled)
+            drafts[i] = d
 
 
 def resting(rows: Sequence[Row]) -> bool:

@@ -107,6 +107,10 @@ class DraftStats(Counters):
     #: Draft position (0: a draft's first token) -> drafts whose token
     #: there was accepted (vLLM's ``num_accepted_tokens_per_pos``).
     accepted_per_position: Dict[int, int] = field(default_factory=dict)
+    #: A draft model's forwards (each one token of every row of its
+    #: driver) and their seconds.
+    model_forwards: int = 0
+    model_s: float = 0.0
 
     def count(self, steps: int = 0, drafted: int = 0, accepted: int = 0, draft: Any = None,
               host_s: float = 0.0, replayed: Optional[int] = None, source: str = "tree",
@@ -169,6 +173,10 @@ class RequestUsage(Counters):
     replayed_tokens: int = 0
     #: Host seconds of the request's drafting (see :class:`DraftStats`).
     host_s: float = 0.0
+    #: ``drafted`` and ``accepted`` per draft source (``tree``, ``copy``,
+    #: ``model``).
+    source_drafted: Dict[str, int] = field(default_factory=dict)
+    source_accepted: Dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

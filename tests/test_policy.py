@@ -193,7 +193,7 @@ def test_probability_scale_shortens_drafts():
     assert fresh[1] == pytest.approx(0.9) and all(q < p for p, q in zip(fresh[1:], fresh[2:]))
     assert 0.2 < fresh[63] < 0.3
     ratios = c.ratios()
-    assert list(ratios) == ["tree", "copy"] and list(ratios["tree"]) == ["first", "tail"]
+    assert list(ratios) == ["tree", "copy", "model"] and list(ratios["tree"]) == ["first", "tail"]
     assert list(ratios["tree"]["first"]) == list(ratios["copy"]["tail"]) == [
         "1-2", "3-4", "5-8", "9-16", "17-32", "33-47", "48+"
     ]

@@ -193,8 +193,9 @@ def test_cli_flags(monkeypatch):
     assert ns.draft is None and ns.draft_model == "other/model"
     ns = _parse(monkeypatch, "--model", "m", *SUFFIX_FIXED, "--suffix-cache-scope", "header:X-User")
     assert ns.suffix_cache_scope == "header:X-User"
+    ns = _parse(monkeypatch, "--model", "m", "--draft", "suffix", "--draft-model", "small/model")
+    assert ns.draft == "suffix" and ns.draft_model == "small/model" and ns.num_draft_tokens == 64
     for bad in (
-        ["--draft", "suffix", "--draft-model", "x"],
         ["--draft", "medusa"],
         ["--draft", "suffix", "--suffix-max-tree-depth", "0"],
         ["--draft", "suffix", "--suffix-cache-scope", "tenant"],

@@ -20,7 +20,8 @@ def test_delta_and_merge():
     u = RequestUsage(drafted=3)
     u.merge(RequestUsage(drafted=1, accepted=1))
     assert u.as_dict() == {
-        "drafted": 4, "accepted": 1, "steps": 0, "replays": 0, "replayed_tokens": 0, "host_s": 0.0
+        "drafted": 4, "accepted": 1, "steps": 0, "replays": 0, "replayed_tokens": 0, "host_s": 0.0,
+        "source_drafted": {}, "source_accepted": {},
     }
 
 

@@ -131,8 +131,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         "--suffix-draft",
         action="store_true",
         help="Speculative decoding with suffix trees of the prompt and of "
-        "earlier outputs (mlx-lm-suffix); no draft model needed. "
-        f"--num-draft-tokens defaults to {DEFAULT_NUM_DRAFT_TOKENS} with it.",
+        "earlier outputs (mlx-lm-suffix); no draft model needed. With "
+        "--draft-model, the draft model drafts where the trees have nothing worth "
+        f"verifying. --num-draft-tokens defaults to {DEFAULT_NUM_DRAFT_TOKENS} with it.",
     )
     add_drafter_arguments(parser)
     _defer_num_draft_tokens(parser)
@@ -146,7 +147,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         choices=[SUFFIX],
         default=None,
         help="Speculative decoding without a draft model: 'suffix' drafts from "
-        "suffix trees of the prompt and of earlier responses (mlx-lm-suffix). "
+        "suffix trees of the prompt and of earlier responses (mlx-lm-suffix); with "
+        "--draft-model too, the draft model drafts where the trees have nothing worth "
+        "verifying, and requests stay batched. "
         f"--num-draft-tokens defaults to {DEFAULT_NUM_DRAFT_TOKENS} with it.",
     )
     _defer_num_draft_tokens(parser)
@@ -244,8 +247,6 @@ def _finalize(
         )
     if not suffix:
         return None
-    if ns.draft_model is not None:
-        parser.error(f"{flag} and --draft-model cannot be combined")
     try:
         return drafter_from_args(ns)
     except ValueError as e:

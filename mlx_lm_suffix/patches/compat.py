@@ -109,6 +109,7 @@ SIGNATURES: Dict[str, Optional[str]] = {
     ),
     "mlx_lm.server:main": "",
     "mlx_lm.server:ModelProvider._load": "self, model_path, adapter_path, draft_model_path",
+    "mlx_lm.server:ModelProvider.reset": "self",
     "mlx_lm.server:ResponseGenerator._tokenize": "self, tokenizer, request, args",
     "mlx_lm.server:ResponseGenerator._next_request": "self, timeout",
     "mlx_lm.server:ResponseGenerator._generate": "self",
@@ -162,7 +163,9 @@ ATTRIBUTES: Dict[str, Tuple[str, ...]] = {
     "mlx_lm.models.cache:RotatingKVCache.__init__": ("keep", "offset", "max_size"),
     "mlx_lm.models.cache:BatchRotatingKVCache.__init__": ("left_padding", "offset"),
     "mlx_lm.models.cache:CacheList.__init__": ("caches",),
-    "mlx_lm.server:ModelProvider.__init__": ("cli_args", "model", "tokenizer", "model_key"),
+    "mlx_lm.server:ModelProvider.__init__": (
+        "cli_args", "model", "tokenizer", "model_key", "draft_model", "is_batchable",
+    ),
     "mlx_lm.server:ResponseGenerator.__init__": ("model_provider",),
     "mlx_lm.server:APIHandler.__init__": ("response_generator",),
     "mlx_lm.server:APIHandler.do_POST": (

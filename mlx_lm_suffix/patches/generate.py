@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 
 from ..drafter import SuffixDrafter
 from ..internals import Attached
+from ..sources.draft_model import DraftModel
 from . import compat
 from .args import SUFFIX, add_generate_arguments, finalize_generate_args, refuse_suffix_options
 from .compat import Patch, original
@@ -71,8 +72,15 @@ def resolve_drafter(draft_model: Any, model: Any) -> Optional[SuffixDrafter]:
 
 def format_stats(stats: dict) -> str:
     """One line of drafting stats for ``--verbose`` output and logs."""
+    def by_source(counts: dict) -> str:
+        names = {"tree": "trees", "copy": "prompt copy", "model": "draft model"}
+        parts = [f"{names.get(k, k)} {v}" for k, v in counts.items() if v]
+        return f" ({', '.join(parts)})" if len(parts) > 1 or "model" in counts else ""
+
     line = (
-        f"Suffix decoding: drafted {stats['drafted']}, accepted {stats['accepted']} "
+        f"Suffix decoding: drafted {stats['drafted']}"
+        f"{by_source(stats.get('source_drafted', {}))}, accepted {stats['accepted']}"
+        f"{by_source(stats.get('source_accepted', {}))} "
         f"({100 * stats['acceptance_rate']:.1f}%), {stats['tokens']} tokens in "
         f"{stats['steps']} steps ({stats['tokens_per_step']:.2f} tokens/step)"
     )
@@ -122,7 +130,12 @@ def speculative_generate_step(prompt, model, draft_model, *args, **kwargs):
 # stream_generate by its module-global name; main() calls generate.
 def generate(model, tokenizer, prompt, verbose=False, **kwargs):
     global _cli_drafter
-    if kwargs.get("draft_model") is None and _cli_drafter is not None:
+    if _cli_drafter is not None:
+        # With --draft-model, main() passes the draft model it loaded (having
+        # checked its tokenizer's vocabulary against the target's).
+        draft = kwargs.get("draft_model")
+        if draft is not None and not isinstance(draft, (str, SuffixDrafter)):
+            _cli_drafter.draft_model = DraftModel(draft)
         kwargs["draft_model"], _cli_drafter = _cli_drafter, None
     drafter = resolve_drafter(kwargs.get("draft_model"), model)
     before = drafter.stats.copy() if drafter is not None else None

@@ -86,10 +86,11 @@ def main():
 
 
 # mlx-lm 0.32.2 ModelProvider._load(model_path, adapter_path, draft_model_path) loads
-# and sets self.model/tokenizer/model_key: register the model's drafter.
+# and sets self.model/tokenizer/draft_model/model_key/is_batchable: register
+# the model's drafter (with a draft model: serve the pair, batched).
 def _load(self, model_path, adapter_path=None, draft_model_path=None):
     original(_load)(self, model_path, adapter_path, draft_model_path)
-    serving.on_model_loaded(self, model_path)
+    serving.on_model_loaded(self, model_path, draft_model_path)
 
 
 # mlx-lm 0.32.2 ResponseGenerator._generate creates `BatchGenerator(model, ...)` by the

@@ -108,6 +108,9 @@ class ModelEntry:
     persisted: bool = False
     # The model's batch generators alive (the server's generation thread).
     generators: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
+    # The model the server serves: the loaded one, or it paired with the
+    # draft model (the drafter's draft model source).
+    served: Any = None
 
 
 class SuffixServing:
@@ -133,12 +136,17 @@ class SuffixServing:
         queue = self.requests
         return queue is not None and not queue.empty()
 
-    def on_model_loaded(self, model_path: str, model: Any, tokenizer: Any, key: Any) -> ModelEntry:
-        """Register (or find again) the drafter of a model just loaded."""
-        from mlx_lm.generate import _merge_caches
+    def on_model_loaded(self, model_path: str, model: Any, tokenizer: Any, key: Any,
+                        draft: Any = None) -> ModelEntry:
+        """Register (or find again) the drafter of a model just loaded, with
+        the draft model loaded beside it (``draft``), if any: the drafter's
+        second source, paired with ``model``
+        (:class:`~mlx_lm_suffix.sources.draft_model.Paired`, the model the
+        server then serves)."""
         from mlx_lm.models.cache import make_prompt_cache
 
         from .. import rollback
+        from ..sources.draft_model import DraftModel
 
         with self._lock:
             entry = self.entries.get(key)
@@ -148,9 +156,16 @@ class SuffixServing:
                 drafter = None
                 if rollback.supports(cache):
                     drafter = drafter_from_args(self.cli_args)
-                    drafter.policy.ensure_cost(model)  # at load, not in a request
+                    if draft is not None:
+                        drafter.draft_model = DraftModel(draft)
+                        model = drafter.draft_model.pair(model)
+                        cache = make_prompt_cache(model)
+                    # At load, not in a request:
+                    drafter.policy.ensure_cost(model)
+                    if draft is not None:
+                        drafter.policy.ensure_draft_cost(draft)
                     try:
-                        batch_ok = rollback.supports_batch(_merge_caches([cache]))
+                        batch_ok = rollback.supports_batch(internals.merge_caches([cache]))
                     except Exception:
                         batch_ok = False
                     if not batch_ok:
@@ -172,6 +187,11 @@ class SuffixServing:
                     output_size=output_size(model, tokenizer),
                 )
                 self.entries[key] = entry
+            elif draft is not None and entry.drafter is not None:
+                # The same models loaded again (new modules): a new pairing.
+                entry.drafter.draft_model = DraftModel(draft)
+                model = entry.drafter.draft_model.pair(model)
+            entry.served = model
             _entries.set(model, entry)
             if self.cache_file is not None:
                 entry.persisted = self.cache_file.attach(
@@ -402,6 +422,17 @@ def prepare_run(state: SuffixServing) -> None:
         logger.error("mlx-lm-suffix: --pipeline is not supported with --draft suffix: %s.", PIPELINE_DISTRIBUTED)
         raise SystemExit(2)
     model = getattr(state.cli_args, "model", None)
+    draft = getattr(state.cli_args, "draft_model", None)
+    if draft is not None:
+        if distributed:
+            logger.error("mlx-lm-suffix: --draft-model is not supported in distributed mode "
+                         "(mlx-lm loads no draft model there); --draft suffix drafts from the "
+                         "suffix trees alone without it.")
+            raise SystemExit(2)
+        problem = draft_vocabulary_problem(model, draft) if model else None
+        if problem:
+            logger.error("mlx-lm-suffix: %s", problem)
+            raise SystemExit(2)
     if state.cache_file is None or not model:
         return
     try:
@@ -409,6 +440,24 @@ def prepare_run(state: SuffixServing) -> None:
     except CacheFileRefused as e:
         logger.error("mlx-lm-suffix: %s", e)
         raise SystemExit(2) from None
+
+
+def draft_vocabulary_problem(model: Any, draft: Any) -> Optional[str]:
+    """Why the draft model ``draft`` cannot draft for ``model`` (paths or
+    repo ids, or tokenizers): its tokenizer's vocabulary is not the
+    target's (a draft token would mean another text); None where it is."""
+    from mlx_lm.utils import load_tokenizer
+
+    def vocabulary(x: Any) -> Dict[str, int]:
+        tokenizer = load_tokenizer(x) if isinstance(x, (str, os.PathLike)) else x
+        return tokenizer.get_vocab()
+
+    a, b = vocabulary(model), vocabulary(draft)
+    if a == b:
+        return None
+    return (f"the draft model's tokenizer is not the model's ({len(b)} tokens against "
+            f"{len(a)}{', other ids' if len(a) == len(b) else ''}): --draft-model needs "
+            "a model of the same tokenizer (the same family)")
 
 
 # --------------------------------------------------------------- requests
@@ -607,6 +656,8 @@ def add_usage(response: Dict[str, Any], handler: Any) -> Dict[str, Any]:
     if options is not None and isinstance(usage, dict):
         usage[USAGE_DRAFTED] = options.usage.drafted
         usage[USAGE_ACCEPTED] = options.usage.accepted
+        usage[USAGE_DRAFTED + "_by_source"] = dict(options.usage.source_drafted)
+        usage[USAGE_ACCEPTED + "_by_source"] = dict(options.usage.source_accepted)
     return response
 
 
@@ -672,12 +723,27 @@ def make_batch_generator(stock_cls: Callable[..., Any], model: Any, **kwargs: An
     return generator
 
 
-def on_model_loaded(provider: Any, model_path: str) -> None:
-    """``provider`` (a ``ModelProvider``) loaded the model at ``model_path``."""
+def on_model_loaded(provider: Any, model_path: str, draft_path: Any = None) -> None:
+    """``provider`` (a ``ModelProvider``) loaded the model at ``model_path``
+    (and its draft model, if any). With a draft model and a drafter, the
+    provider serves the pair: requests batch (stock serves a draft model's
+    requests one at a time) and the draft model drafts where the trees have
+    nothing worth verifying."""
     state = state_for(provider.cli_args)
     if state is None or provider.model is None:
         return
-    state.on_model_loaded(model_path, provider.model, provider.tokenizer, provider.model_key)
+    if provider.draft_model is not None:
+        problem = draft_vocabulary_problem(provider.tokenizer, draft_path)
+        if problem:
+            provider.reset()  # (a request for these models loads them again)
+            raise ValueError(problem)
+    entry = state.on_model_loaded(model_path, provider.model, provider.tokenizer,
+                                  provider.model_key, provider.draft_model)
+    if entry.served is not provider.model:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        provider.model, provider.draft_model = entry.served, None
+        provider.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(entry.served))
 
 
 def single_stream_generate(

@@ -70,7 +70,7 @@ class Calibration:
     #: Upper bounds of the match length buckets (the last is open).
     BUCKETS = (2, 4, 8, 16, 32, LONG_MATCH - 1)
     #: Where a draft came from.
-    SOURCES = ("tree", "copy")
+    SOURCES = ("tree", "copy", "model")
     #: Halve a cell's counts past this many expected tokens.
     FORGET_AFTER = 500.0
 
@@ -282,6 +282,8 @@ class RequestTrust:
         # (part, source) -> [accepted, expected]
         self.counts: Dict[Tuple[str, str], List[float]] = {}
         self.credit = self.ALLOWANCE
+        # How likely its draft model's tokens look to the policy.
+        self.model_tokens = ModelRate()
 
     def paid(self, saved: float) -> None:
         """A verification or a check saved ``saved`` plain steps' time
@@ -314,6 +316,49 @@ class RequestTrust:
             c[1] += e
             if c[1] > self.HORIZON:
                 c[0], c[1] = c[0] * 0.5, c[1] * 0.5
+
+
+class ModelRate:
+    """How likely a draft model's next draft looks before it is drafted:
+    the means of its drafts' first tokens' estimates and of their later
+    tokens' (each given the token before), as the policy scales them (the
+    calibration has made them accuracies), over the last :data:`HORIZON` or
+    so drafts' tokens. :meth:`rate` weighs in a prior worth :data:`WEIGHT`
+    tokens: a request's own record over the pooled one, the pooled one over
+    :data:`PRIOR`. So the draft model runs where its drafts are expected to
+    be verified and to hold, and stops running where they would not (a
+    model whose drafts fail at once however sure it is, or whose tokens
+    never look likely, is not run for nothing). A draft's first token and
+    its later ones are kept apart as the calibration keeps them: the first
+    is the one whose context the model saw least of."""
+
+    #: The estimates of a draft model's tokens before any was drafted.
+    PRIOR = (0.6, 0.6)
+    #: Tokens the prior is worth.
+    WEIGHT = 4.0
+    HORIZON = 256.0
+
+    def __init__(self) -> None:
+        self.firsts = self.first = 0.0  # first tokens and their estimates' sum
+        self.tails = self.tail = 0.0
+
+    def add(self, first: float, tail: Sequence[float]) -> None:
+        """A draft's first token's estimate, and its later tokens' (each
+        given the token before)."""
+        self.firsts += 1
+        self.first += first
+        self.tails += len(tail)
+        self.tail += sum(tail)
+        if self.firsts + self.tails > self.HORIZON:
+            self.firsts, self.first = self.firsts * 0.5, self.first * 0.5
+            self.tails, self.tail = self.tails * 0.5, self.tail * 0.5
+
+    def rate(self, prior: Tuple[float, float] = PRIOR) -> Tuple[float, float]:
+        """The expected estimates of a draft's first token and of each
+        later one."""
+        w = self.WEIGHT
+        return ((self.first + w * prior[0]) / (self.firsts + w),
+                (self.tail + w * prior[1]) / (self.tails + w))
 
 
 def given(p: float, q: float) -> float:

@@ -19,7 +19,7 @@ import math
 from typing import Any, List, Optional, Sequence, Tuple
 
 from ..stats import DraftStats
-from .calibration import Calibration, given_first
+from .calibration import Calibration, ModelRate, given, given_first
 from .cost import VerifyCost
 
 #: How much faster than plain steps a batch's verification must expect to
@@ -97,6 +97,10 @@ class Policy:
         self.propose_s = 0.0
         self.rows = 1
         self._plain: List[float] = []  # plain steps' seconds not observed yet
+        #: The draft model's forward cost (a draft step over ``n`` rows), and
+        #: how often its tokens hold, over all requests.
+        self.draft_cost: Optional[VerifyCost] = None
+        self.model_tokens = ModelRate()
 
     @property
     def cost_aware(self) -> bool:
@@ -107,6 +111,12 @@ class Policy:
         """Measure ``model``'s verification cost curve once (adaptive only)."""
         if self.name == "adaptive" and self.cost is None:
             self.cost = VerifyCost.calibrate(model)
+
+    def ensure_draft_cost(self, draft_model: Any) -> None:
+        """Measure the draft model's forward cost once (a draft step is one
+        forward of it; the fixed policy prices nothing)."""
+        if self.name == "adaptive" and self.draft_cost is None:
+            self.draft_cost = VerifyCost.calibrate(draft_model)
 
     def ensure_width(self, model: Any, rows: int) -> None:
         """Before a batch of ``rows`` chooses widths: the cost of its plain
@@ -196,7 +206,10 @@ class Policy:
     ) -> List[int]:
         """How many tokens of each row's draft to verify; ``replay``: a
         rejection costs feeding every row's kept tokens again. One row is
-        one sequence (:meth:`length`); more rows verify only pipelined.
+        one sequence (:meth:`length`); more rows verify pipelined (the plain
+        forward checks each draft's first token free, a tree draft's least
+        sure), or settled where a row drafts from a draft model (whose
+        first token is its surest: a plain forward would only delay it).
 
         ``budget``: the most seconds the step may take beyond a plain step,
         because prompts wait for it (their prefill runs after it): widths
@@ -205,15 +218,102 @@ class Policy:
         if len(drafts) == 1:
             return [self.length(drafts[0], pipelined, replay, budget)]
         lengths = [len(d) for d in drafts]
-        if not pipelined or (budget is not None and not self.cost_aware):
+        settled = not pipelined and any(d.source == "model" for d in drafts if d)
+        if (not pipelined and not settled) or (budget is not None and not self.cost_aware):
             return [0] * len(drafts)
         if self.cost_aware and any(lengths):
             probs = [self.probs(d) for d in drafts]
-            chosen = best_batch_lengths(probs, self.cost, True, replay, budget, self.wait_s)
+            chosen = best_batch_lengths(probs, self.cost, pipelined, replay, budget, self.wait_s)
             if budget is None and self._explore(max(chosen), max(lengths)) and not any(chosen):
                 chosen = [min(n, 2) for n in lengths]
             lengths = chosen
-        return [n if n >= 2 else 0 for n in lengths]
+        shortest = 1 if settled else 2
+        return [n if n >= shortest else 0 for n in lengths]
+
+    def model_rate(self, trust: Any = None) -> Tuple[float, float]:
+        """How likely a draft model's next draft's first token, and each of
+        its later ones, look (:class:`~mlx_lm_suffix.policy.calibration.
+        ModelRate`): the request's own record (``trust``, a
+        :class:`~mlx_lm_suffix.policy.calibration.RequestTrust`) over the
+        pooled one."""
+        pooled = self.model_tokens.rate()
+        return trust.model_tokens.rate(pooled) if trust is not None else pooled
+
+    def drafted(self, draft: Any) -> None:
+        """A draft model drafted ``draft`` (its ``trust`` the request's):
+        how likely its tokens look, for :meth:`model_rate`."""
+        probs = self.probs(draft)
+        if not probs:
+            return
+        tail = [given(p, q) for q, p in zip(probs, probs[1:])]
+        self.model_tokens.add(probs[0], tail)
+        if draft.trust is not None:
+            draft.trust.model_tokens.add(probs[0], tail)
+
+    def model_steps(self, rates: Sequence[Tuple[float, float]], rows: int, pipelined: bool,
+                    limit: int) -> int:
+        """How many tokens the draft model drafts this step for the rows
+        that ask it, ``rates`` their first and later tokens' expected
+        estimates (:meth:`model_rate`), in a step of ``rows`` rows: the
+        number ``k`` whose step commits the most tokens per second, the
+        draft model's ``k`` forwards priced (a pipelined step's first draft
+        token comes with the plain forward queued, which checks it, so it
+        takes ``k - 1``); 0 where none beats plain steps by the margin
+        (:data:`MARGIN`, a batch :data:`BATCH_MARGIN`), or the policy prices
+        nothing (the fixed policy drafts ``limit``).
+
+        Shaped so because a draft model's tokens cost a forward each before
+        verification, unlike the trees' (microseconds of host work), and
+        past its first its tokens' chances are much alike (a geometric
+        prior: ``f * t ** (j - 1)`` for its ``j``-th token, ``f`` and ``t``
+        the rates): the expected tokens a step commits are each row's
+        pending token plus its accepted draft tokens, over the step's time,
+        the draft forwards included; the drafts' own estimates then cut them
+        as any draft (:meth:`batch_lengths`)."""
+        if limit <= 0 or not rates:
+            return 0
+        if not self.cost_aware or self.draft_cost is None:
+            return limit
+        m = len(rates)
+        f = sum(r[0] for r in rates) / m
+        t = sum(r[1] for r in rates) / m
+        plain = self.cost(rows) if rows == 1 else self.cost(rows, rows=rows)
+        draft = self.draft_cost(rows) if rows == 1 else self.draft_cost(rows, rows=rows)
+        ref = rows / plain * (MARGIN if rows == 1 else BATCH_MARGIN)
+        best, best_rate, expected = 0, ref, 0.0
+        for k in range(1, limit + 1):
+            expected += f * t ** (k - 1)
+            if pipelined:  # the plain forward's token, then [first] + rest
+                if k < 2:
+                    continue
+                step = plain + self._cost(rows * k, rows) + (k - 1) * draft + self.wait_s
+            else:
+                step = self._cost(rows * (k + 1), rows) + k * draft + self.wait_s
+            gain = rows + m * expected  # (pipelined too: f * (1 + t + ... + t ** (k - 2)) + ...)
+            if gain / step > best_rate:
+                best, best_rate = k, gain / step
+        return best
+
+    def observe_draft(self, steps: int, rows: int, seconds: float) -> None:
+        """The draft model ran ``steps`` forwards over ``rows`` rows in
+        ``seconds`` (counted in :attr:`stats`; a point of its cost)."""
+        self.stats.model_forwards += steps
+        self.stats.model_s += seconds
+        if self.draft_cost is not None and steps:
+            self.draft_cost.observe(rows, seconds / steps, rows=rows)
+
+    def _cost(self, n: int, rows: int) -> float:
+        return self.cost(n) if rows == 1 else self.cost(n, rows=rows)
+
+    def better(self, tree: Any, model: Any) -> Any:
+        """Of a row's draft from the trees and from the draft model, the one
+        expected to have more tokens accepted (as the policy scales their
+        estimates); the trees' on a tie (they cost no forward to go on)."""
+        if not model:
+            return tree
+        if not tree:
+            return model
+        return model if sum(self.probs(model)) > sum(self.probs(tree)) else tree
 
     def record(self, draft: Any, verified: int, accepted: int) -> None:
         """Learn from a verified draft: its first ``verified`` tokens were

@@ -1,0 +1,196 @@
+"""A draft model beside the suffix trees: a small model of the target's
+tokenizer whose greedy continuation is a row's draft where the trees have
+none worth verifying (the policy chooses, :meth:`~mlx_lm_suffix.policy.
+rules.Policy.model_steps`).
+
+**In step with the target.** The draft model's caches are one more entry
+at the end of the target's cache list (a ``CacheList`` of its layers'
+caches), and :class:`Paired` is the target and the draft model as one
+model: every forward the target runs (the prompt's prefill, a plain step, a
+verification, a replay) feeds the draft model the same tokens. So the draft
+model's cache always holds what the target's holds: it is prefilled once,
+with the prompt (a server's prompt cache keeps its prefix with the
+target's), takes every committed token, and loses every rejected position
+to the target's own rollback (:mod:`~mlx_lm_suffix.rollback`, for every
+cache kind; one restored layer sends both models back); in a batch, its
+rows join, leave, are extracted and compacted with the target's, by
+mlx-lm's own batch code.
+
+**Drafting** (:meth:`DraftModel.draft`): ``k`` greedy steps of the draft
+model alone, every row of the batch at once. Settled (a row's pending token
+is known), the first step feeds each row's pending token; pipelined (a
+plain forward is queued), that forward fed the draft model the token just
+emitted, so its logits (kept by :class:`Paired`) give the first draft
+token. The steps' positions leave the draft cache again at once (a trim of
+every row alike, or the draft caches' checkpoint put back): the draft
+tokens that hold enter it with the verification that accepts them. A draft
+token's estimate is the draft model's probability of it, multiplied along
+the draft (cumulative, as the trees'), which the policy calibrates as it
+calibrates theirs (source ``model``). The host reads the drafts once, after
+the last step.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..internals import Attached
+
+#: ``guide(context) -> (token, probability) or None``: the token a draft
+#: takes after ``context`` (the tokens before it) and its estimate, else the
+#: draft model's own (benches script a draft model's agreement with the
+#: target so: a random-weight model's probabilities say nothing).
+Guide = Callable[[Sequence[int]], Optional[Tuple[int, float]]]
+
+
+def cache_list_of(model: Any) -> List[Any]:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return make_prompt_cache(model)
+
+
+class Paired:
+    """A target model and its draft model as one model (see the module
+    docstring): its cache list is the target's with the draft model's
+    caches as one ``CacheList`` after them; a call feeds both and returns
+    the target's logits, and keeps the draft model's logits at each row's
+    last position, lazily, for the cache it fed (:meth:`last`: a pipelined
+    draft's first token). Anything else is the target's (``args``,
+    ``layers``, ...)."""
+
+    def __init__(self, target: nn.Module, draft: nn.Module):
+        self.target, self.draft = target, draft
+        #: The target's entries of the cache list.
+        self.target_entries = len(cache_list_of(target))
+        self._last: "weakref.WeakKeyDictionary[Any, mx.array]" = weakref.WeakKeyDictionary()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.target, name)
+
+    def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None, **kwargs: Any
+                 ) -> mx.array:
+        if cache is None:
+            return self.target(inputs, **kwargs)
+        logits = self.target(inputs, cache=cache[:-1], **kwargs)
+        self._last[cache[-1]] = self.draft(inputs, cache=list(cache[-1].caches))[:, -1]
+        return logits
+
+    def last(self, cache: List[Any]) -> Optional[mx.array]:
+        """The draft model's logits after the last forward on ``cache``,
+        one row a row (None: none kept)."""
+        return self._last.get(cache[-1])
+
+    def keep_rows(self, cache: List[Any], keep: List[int]) -> None:
+        """A batch's rows ``keep`` stay: so do their kept logits."""
+        last = self._last.get(cache[-1])
+        if last is not None:
+            self._last[cache[-1]] = last[mx.array(keep)] if keep else last[:0]
+
+    def make_cache(self, max_kv_size: Optional[int] = None) -> List[Any]:
+        """The cache list of both models (``max_kv_size``: as for
+        ``make_prompt_cache``, of both)."""
+        from mlx_lm.models.cache import CacheList, make_prompt_cache
+
+        return (make_prompt_cache(self.target, max_kv_size)
+                + [CacheList(*make_prompt_cache(self.draft, max_kv_size))])
+
+    def pairs(self, cache: List[Any]) -> bool:
+        """Whether ``cache`` is a cache list of both models (else the
+        target's alone)."""
+        return len(cache) == self.target_entries + 1
+
+
+class DraftModel:
+    """A draft model as a source of a :class:`~mlx_lm_suffix.drafter.
+    SuffixDrafter`: the model, its pairing with each target
+    (:meth:`pair`), and its drafts (:meth:`draft`). ``guide``: see
+    :data:`Guide`."""
+
+    def __init__(self, model: nn.Module, guide: Optional[Guide] = None):
+        self.model = model
+        self.guide = guide
+        self._pairs: Attached[Paired] = Attached()
+
+    def pair(self, target: Any) -> Paired:
+        """``target`` paired with this draft model (one pairing per target;
+        a :class:`Paired` already is one)."""
+        if isinstance(target, Paired):
+            return target
+        paired = self._pairs.get(target)
+        if paired is None:
+            ours, theirs = (getattr(getattr(m, "args", None), "vocab_size", None)
+                            for m in (self.model, target))
+            if isinstance(ours, int) and isinstance(theirs, int) and ours != theirs:
+                raise ValueError(f"the draft model's vocabulary ({ours} tokens) is not the "
+                                 f"model's ({theirs}): a draft model needs the model's tokenizer")
+            paired = Paired(target, self.model)
+            self._pairs.set(target, paired)
+        return paired
+
+    def prefill(self, cache: List[Any], tokens: Sequence[int], step: int = 2048) -> None:
+        """Feed the draft model ``tokens`` on the draft entry of ``cache``
+        (a target's cache that held them before the entry was added), in
+        chunks of ``step``."""
+        caches = list(cache[-1].caches)
+        tokens = list(tokens)
+        for i in range(0, len(tokens), step):
+            self.model(mx.array(tokens[i : i + step], mx.uint32)[None], cache=caches)
+            mx.eval([c.state for c in caches])
+
+    def draft(self, paired: Paired, cache: List[Any], first: Optional[mx.array], steps: int,
+              contexts: Optional[List[List[int]]] = None) -> Tuple[List[List[int]], List[List[float]], float]:
+        """``steps`` greedy draft tokens for every row of ``cache`` (a
+        batch's, or one sequence's as a batch of one), and the draft model's
+        probability of each; and the seconds it took. ``first``: each row's
+        pending token (settled), or None (pipelined: the logits of the
+        forward :class:`Paired` last ran on ``cache``; no drafts where it
+        kept none). ``contexts``: each row's tokens so far, for the
+        :data:`Guide`."""
+        from .. import rollback
+
+        tic = time.perf_counter()
+        caches = list(cache[-1].caches)
+        saved = rollback.checkpoint(caches)
+        fed = 0
+        if first is None:
+            logits = paired.last(cache)
+            if logits is None:
+                return [], [], 0.0
+        else:
+            logits = self.model(first[:, None], cache=caches)[:, -1]
+            fed = 1
+        tokens, probs = [], []
+        contexts = [list(c) for c in contexts] if self.guide is not None and contexts else None
+        for j in range(steps):
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            t = mx.argmax(logprobs, axis=-1)
+            p = mx.exp(mx.take_along_axis(logprobs, t[:, None], axis=-1)[:, 0])
+            if contexts is not None:
+                t, p = self._guided(t, p, contexts)
+            tokens.append(t)
+            probs.append(p)
+            if j < steps - 1:
+                logits = self.model(t[:, None], cache=caches)[:, -1]
+                fed += 1
+        out = mx.stack(tokens, axis=1), mx.stack(probs, axis=1)
+        mx.eval(out)
+        if fed:
+            rollback.drop(caches, saved, fed)
+        return out[0].tolist(), out[1].tolist(), time.perf_counter() - tic
+
+    def _guided(self, tokens: mx.array, probs: mx.array, contexts: List[List[int]]
+                ) -> Tuple[mx.array, mx.array]:
+        """Each row's token and estimate where the guide names them after
+        its context (which then takes the token)."""
+        out, est = tokens.tolist(), probs.tolist()
+        for i, context in enumerate(contexts):
+            guided = self.guide(context)
+            if guided is not None:
+                out[i], est[i] = guided
+            context.append(out[i])
+        return mx.array(out, mx.uint32), mx.array(est)

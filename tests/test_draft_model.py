@@ -1,0 +1,185 @@
+"""A draft model beside the suffix trees (mlx_lm_suffix.sources.draft_model),
+token for token against stock mlx-lm: in process (one sequence), batched, with
+every family as target and as draft, its cache in step with the target's."""
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from test_families import _assert_cache_is_fresh_prefill, _prompts
+
+from mlx_lm_suffix import SuffixDrafter
+from mlx_lm_suffix.batch import SuffixBatchGenerator
+from mlx_lm_suffix.loop import suffix_generate_step
+from mlx_lm_suffix.policy import VerifyCost
+from mlx_lm_suffix.sources.draft_model import DraftModel, Paired
+from mlx_lm_suffix.tools.models import FAMILIES
+
+MAX_TOKENS = 24
+
+
+def _load(path) -> Tuple[Any, Any]:
+    model, tokenizer = load(str(path))
+    model.set_dtype(mx.float32)
+    return model, tokenizer
+
+
+def _every(n: int) -> Any:
+    """A guide that makes every ``n``-th draft token wrong (the draft model
+    is the target itself, so the others hold): drafts then hold in part."""
+    def guide(context: Sequence[int]) -> Optional[Tuple[int, float]]:
+        return ((context[-1] + 7) % 1000, 0.9) if len(context) % n == 0 else None
+    return guide
+
+
+def _stock(model: Any, prompt: List[int], n: int = MAX_TOKENS) -> List[int]:
+    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+def _with_draft(model: Any, draft: Any, guide: Any = None, **kwargs: Any) -> SuffixDrafter:
+    kwargs.setdefault("policy", "fixed")
+    kwargs.setdefault("max_cached_requests", 0)  # the draft model, not earlier answers
+    return SuffixDrafter(draft_model=DraftModel(draft, guide), num_draft_tokens=6, **kwargs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_as_target_and_as_draft(family, tiny_family_path):
+    """A family's tiny model drafting for itself (every third draft token
+    made wrong) and for qwen3, and qwen3 drafting for it: stock's tokens,
+    drafts verified and partly rejected, and after each generation the
+    cache of both models is a fresh prefill of the prompt and the tokens."""
+    model, tokenizer = _load(tiny_family_path(family))
+    qwen3, _ = _load(tiny_family_path("qwen3"))
+    prompt = _prompts(tokenizer, 2)[1]
+    for target, draft, guide in ((model, model, _every(3)), (qwen3, model, None),
+                                 (model, qwen3, None)):
+        drafter = _with_draft(target, draft, guide)
+        cache = drafter.draft_model.pair(target).make_cache()
+        out = [t for t, _, _ in suffix_generate_step(mx.array(prompt), target, drafter,
+                                                     max_tokens=MAX_TOKENS, prompt_cache=cache)]
+        assert out == _stock(target, prompt), (family, target is model, draft is model)
+        stats = drafter.stats
+        assert stats.source_drafted.get("model", 0) > 0 and stats.model_forwards > 0
+        if guide is not None:  # the draft is the target's own greedy, but for its wrong tokens
+            assert 0 < stats.source_accepted["model"] < stats.source_drafted["model"]
+        _assert_cache_is_fresh_prefill(drafter.draft_model.pair(target), cache,
+                                       prompt + out, f"{family}: both models' cache")
+
+
+def test_a_target_only_cache_gets_the_draft_model_its_prefix(tiny_family_path):
+    """A caller's cache of the target alone, holding part of the prompt: the
+    draft model gets the cached prefix (from the whole prompt, ``options``)
+    and drafts after it; the caller's list is left as it was."""
+    from mlx_lm_suffix.speculation import RequestOptions
+
+    model, tokenizer = _load(tiny_family_path("qwen3"))
+    prompt = _prompts(tokenizer, 2)[1]
+    cache = make_prompt_cache(model)
+    model(mx.array(prompt[:30])[None], cache=cache)
+    drafter = _with_draft(model, model, _every(4))
+    out = [t for t, _, _ in suffix_generate_step(
+        mx.array(prompt[30:]), model, drafter, max_tokens=MAX_TOKENS, prompt_cache=cache,
+        options=RequestOptions(prompt=prompt))]
+    assert out == _stock(model, prompt)
+    assert len(cache) == len(make_prompt_cache(model))
+    assert drafter.stats.source_accepted.get("model", 0) > 0
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny_family_path):
+    model, _ = _load(tiny_family_path("qwen3"))
+    other, _ = _load(tiny_family_path("qwen3"))
+    other.args.vocab_size = model.args.vocab_size + 1
+    drafter = SuffixDrafter(draft_model=other)
+    with pytest.raises(ValueError, match="vocabulary"):
+        list(suffix_generate_step(mx.array([1, 2, 3]), model, drafter, max_tokens=4))
+    with pytest.raises(ValueError, match="mlx-lm model"):
+        SuffixDrafter(draft_model="not a model")
+
+
+def _eos(tokenizer: Any) -> List[List[int]]:
+    return [[t] for t in tokenizer.eos_token_ids]
+
+
+def _batch(gen: Any, prompts: List[List[int]], lengths: List[int], check: Any = None
+           ) -> List[List[int]]:
+    uids = gen.insert(prompts, lengths)
+    tokens = {u: [] for u in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            tokens[r.uid].append(r.token)
+        if check is not None:
+            check(gen)
+    return [tokens[u] for u in uids]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gpt_oss"])
+def test_batched_rows_draft_from_the_model_and_equal_stock(family, tiny_family_path):
+    """A batch whose rows (finishing at different steps) draft from a draft
+    model (the target itself, every third token made wrong): stock's tokens,
+    verifications settled with the pending tokens, and after every step
+    each row's draft cache holds what its target cache holds (the batch's
+    tokens, by the cache's own offsets)."""
+    model, tokenizer = _load(tiny_family_path(family))
+    prompts = _prompts(tokenizer, 4)[:4]
+    lengths = [MAX_TOKENS, 9, 17, MAX_TOKENS]
+    stock = BatchGenerator(model, stop_tokens=_eos(tokenizer))
+    ref = _batch(stock, prompts, lengths)
+    stock.close()
+    drafter = _with_draft(model, model, _every(3))
+
+    def check(gen: Any) -> None:
+        batch = gen.generation_batch
+        if not len(batch) or batch.held is not None:
+            return
+        for c in batch.prompt_cache[-1].caches:  # the draft model's
+            if hasattr(c, "offset") and isinstance(c.offset, mx.array) and c.offset.size:
+                target = next(t for t in batch.prompt_cache if hasattr(t, "offset")
+                              and isinstance(t.offset, mx.array))
+                assert c.offset.tolist() == target.offset.tolist()
+
+    gen = SuffixBatchGenerator(model, drafter, stop_tokens=_eos(tokenizer))
+    assert isinstance(gen.model, Paired)
+    out = _batch(gen, prompts, lengths, check)
+    stats = gen.draft_stats
+    gen.close()
+    assert out == ref
+    assert drafter.stats.source_accepted.get("model", 0) > 0
+    assert stats.unpipelined_steps > 0 and stats.max_verify_batch_size > 1
+    assert drafter.active_requests == 0
+
+
+def test_the_policy_runs_the_draft_model_where_its_drafts_hold(tiny_family_path):
+    """Adaptive, where a verification of 7 tokens costs 1.5 plain steps and
+    a draft model's forward a tenth of one: a draft model whose tokens hold
+    is run and verified; one whose every token is wrong (however sure it
+    says it is) soon runs no more than a short try per request."""
+    model, tokenizer = _load(tiny_family_path("qwen3"))
+    prompts = _prompts(tokenizer, 4)
+    cost = VerifyCost({1: 1.0, 2: 1.1, 8: 1.6}, smoothing=0)
+    # A random-weight model's probabilities say nothing: the guides give the
+    # estimates a sure draft model would (0.95), with stock's next token or
+    # a wrong one.
+    truth = {}
+    for p in prompts:
+        seq = p + _stock(model, p)
+        truth.update({tuple(seq[i - 8 : i]): seq[i] for i in range(8, len(seq))})
+    right = lambda context: (truth.get(tuple(context[-8:]), 0), 0.95)  # noqa: E731
+    wrong = lambda context: ((context[-1] + 7) % 1000, 0.95)  # noqa: E731
+    for guide, holds in ((right, True), (wrong, False)):
+        drafter = _with_draft(model, model, guide, policy="adaptive", cost=cost)
+        drafter.policy.draft_cost = VerifyCost({1: 0.1}, smoothing=0)
+        runs = []
+        for p in prompts:
+            before = drafter.stats.model_forwards
+            out = [t for t, _, _ in suffix_generate_step(mx.array(p), model, drafter,
+                                                         max_tokens=MAX_TOKENS)]
+            assert out == _stock(model, p)
+            runs.append(drafter.stats.model_forwards - before)
+        if holds:
+            assert drafter.stats.source_accepted.get("model", 0) > MAX_TOKENS
+        else:
+            assert drafter.stats.source_accepted.get("model", 0) == 0
+            assert runs[0] >= 10 * max(runs[-2:]) > 0, runs
