@@ -183,3 +183,89 @@ def test_the_policy_runs_the_draft_model_where_its_drafts_hold(tiny_family_path)
         else:
             assert drafter.stats.source_accepted.get("model", 0) == 0
             assert runs[0] >= 10 * max(runs[-2:]) > 0, runs
+
+
+# ---------------------------------------------------------------- server
+@pytest.fixture(scope="module")
+def server_logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("draft-model-server-logs")
+
+
+def test_server_with_a_draft_model_batches_and_equals_stock(tiny_model_path, server_logs):
+    """``--draft suffix --draft-model D``: concurrent requests are batched
+    (stock serves a draft model's requests one at a time), the model drafts
+    (``usage`` per source, summing to the stats' per-source counts), texts
+    are a stock server's; a request with a seed takes the single path,
+    with the draft model too."""
+    import concurrent.futures
+
+    from test_server import SUFFIX_FIXED, Server, _chat, _source_text
+
+    texts = [_source_text(60 + i, n=120) for i in range(6)]
+    stock = Server(tiny_model_path, log_dir=server_logs, name="stock")
+    ours = Server(tiny_model_path, *SUFFIX_FIXED, "--draft-model", str(tiny_model_path),
+                  "--num-draft-tokens", "6", log_dir=server_logs, name="suffix-draft")
+    try:
+        refs = [_chat(stock.client(), t)[:2] for t in texts]
+        seeded = _chat(stock.client(), texts[0], seed=5)[:2]
+        x = ours.client()
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            outs = list(pool.map(lambda t: _chat(x, t), texts))
+        assert [o[:2] for o in outs] == refs
+        stats = ours.wait_idle()
+        assert stats["batch"]["max_verify_batch_size"] > 1
+        usage = [o[2] for o in outs]
+        by_source = [u.model_extra["accepted_draft_tokens_by_source"] for u in usage]
+        assert all(s.get("model", 0) > 0 for s in by_source)
+        drafted = sum(u.model_extra["draft_tokens_by_source"].get("model", 0) for u in usage)
+        model = stats["models"][0]
+        assert model["source_drafted"]["model"] == drafted
+        assert model["limits"]["draft_model"] is True
+        assert _chat(x, texts[0], seed=5)[:2] == seeded
+    finally:
+        stock.stop()
+        ours.stop()
+
+
+def test_server_refuses_a_draft_model_of_another_tokenizer(tiny_model_path, tmp_path,
+                                                            server_logs):
+    """A draft model whose tokenizer is not the model's: exit status 2 at
+    start-up with a message, before anything is served."""
+    import json
+    import shutil
+    import subprocess
+
+    from test_server import SERVER
+
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(tiny_model_path, other)
+    data = json.loads((other / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = list(vocab)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, two ids swapped
+    (other / "tokenizer.json").write_text(json.dumps(data))
+    out = subprocess.run(
+        [SERVER, "--model", str(tiny_model_path), "--draft", "suffix", "--draft-model",
+         str(other), "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "draft model's tokenizer is not the model's" in out.stderr
+
+
+def test_seeded_sampling_with_a_draft_model_is_stocks(tiny_family_path):
+    """Sampled with a seed, drafts from a draft model (partly wrong) give
+    stock's tokens for that seed: each position draws from the random state
+    its own step would have."""
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = _load(tiny_family_path("qwen3"))
+    prompt = _prompts(tokenizer, 2)[1]
+    sampler = make_sampler(temp=0.05)  # (a random model: its distributions are flat)
+    mx.random.seed(11)
+    ref = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS,
+                                       sampler=sampler)]
+    drafter = _with_draft(model, model, _every(3))
+    mx.random.seed(11)
+    out = [t for t, _, _ in suffix_generate_step(mx.array(prompt), model, drafter,
+                                                 max_tokens=MAX_TOKENS, sampler=sampler)]
+    assert out == ref
+    assert drafter.stats.source_accepted.get("model", 0) > 0

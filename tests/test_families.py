@@ -33,6 +33,8 @@ from mlx_lm.models.cache import (
 from mlx_lm.sample_utils import make_sampler
 
 from mlx_lm_suffix import SuffixDrafter, suffix_generate_step
+from mlx_lm_suffix.batch import SuffixBatchGenerator
+from mlx_lm_suffix.policy import VerifyCost
 from mlx_lm_suffix.sources import Draft
 from mlx_lm_suffix.speculation import RequestOptions
 from mlx_lm_suffix.tools.models import FAMILIES, SLIDING_WINDOW
@@ -361,3 +363,33 @@ def test_quantized_kv_cache_as_stock(name, models_dir):
                                                         draft_model=drafter, **kw)]
                 assert out == ref, (name, bits, start)
         assert name == "gpt_oss" or drafter.stats.accepted > 0
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_repeat_drafts_its_whole_answer(name, tiny_family_path):
+    """Where a verification costs about a plain step whatever its width (a
+    GPU's curve), a repeated request drafts its whole answer on every
+    family, alone and batched with three other repeats: what the policy
+    leaves out on a steeper curve (a CPU's, whose wide forwards cost more
+    than the plain steps they save, hybrid models' rejections a replay) is
+    its cut, not the family."""
+    model, tokenizer = load(str(tiny_family_path(name)))
+    asks = ("Write a function that adds two numbers.", "Explain recursion.",
+            "List three colors.", "What is a tree?")
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                             add_generation_prompt=True, tokenize=True) for q in asks]
+    flat = VerifyCost({1: 1.0, 2: 1.01, 64: 1.1}, smoothing=0)
+    drafter = SuffixDrafter(cost=flat)
+    for _ in range(2):
+        out = list(stream_generate(model, tokenizer, prompts[0], max_tokens=64, draft_model=drafter))
+    assert sum(r.from_draft for r in out) >= 0.95 * (len(out) - 1), name
+    drafter = SuffixDrafter(cost=flat)
+    for _ in range(2):
+        before = drafter.stats.copy()
+        gen = SuffixBatchGenerator(model, drafter, stop_tokens=[[t] for t in tokenizer.eos_token_ids])
+        gen.insert(prompts, [64] * 4)
+        while gen.next_generated():
+            pass
+        gen.close()
+    repeat = drafter.stats.delta(before)
+    assert repeat.accepted >= 0.9 * (repeat.tokens - 4), (name, repeat.accepted, repeat.tokens)
