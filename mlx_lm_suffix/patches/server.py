@@ -19,7 +19,7 @@ import sys
 from http.server import ThreadingHTTPServer
 from types import ModuleType
 
-from . import compat, serving
+from . import compat, isolation, serving, validation
 from .args import add_server_arguments, finalize_server_args, refuse_suffix_options
 from .compat import Patch, original
 
@@ -113,7 +113,20 @@ def _tokenize(self, tokenizer, request, args):
 def _next_request(self, timeout=None):
     item = original(_next_request)(self, timeout)
     serving.note_request_taken(self, item)
+    if item is not None and serving.state_for(self.cli_args) is not None:
+        isolation.track(item[2], item[0])
     return item
+
+
+# mlx-lm 0.32.2 _make_sampler(args, tokenizer) and _make_logits_processors(args): module
+# globals that ResponseGenerator._generate (inserting a request into the batch) and
+# _serve_single call per request: on suffix servers what they make fails its request alone.
+def _make_sampler(args, tokenizer):
+    return isolation.guard_sampler(original(_make_sampler)(args, tokenizer), args)
+
+
+def _make_logits_processors(args):
+    return isolation.guard_processors(original(_make_logits_processors)(args), args)
 
 
 def _generate(self):
@@ -152,6 +165,9 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, draft_model=None, 
 # fields are attributes; a ValueError becomes HTTP 400 with its message.
 def validate_model_parameters(self):
     self._mlx_lm_suffix = None
+    if serving.state_for(self.response_generator.cli_args) is not None:
+        # (Stock converts logit_bias catching ValueError only.)
+        validation.check_logit_bias_values(self.logit_bias)
     original(validate_model_parameters)(self)
     self._mlx_lm_suffix = serving.request_info(self)
 
@@ -227,6 +243,8 @@ PATCHES = [
     Patch(_SERVER, "main", main),
     Patch(_SERVER, "BatchGenerator", BatchGenerator),
     Patch(_SERVER, "stream_generate", stream_generate),
+    Patch(_SERVER, "_make_sampler", _make_sampler),
+    Patch(_SERVER, "_make_logits_processors", _make_logits_processors),
     Patch(_PROVIDER, "_load", _load),
     Patch(_GENERATOR, "_tokenize", _tokenize),
     Patch(_GENERATOR, "_next_request", _next_request),

@@ -55,6 +55,7 @@ from .. import ranks
 from ..drafter import PRIVATE, SuffixDrafter
 from ..persistence import CacheFile, CacheFileRefused, model_id, vocabulary_size
 from ..stats import BatchDraftStats, RequestUsage
+from . import validation
 from .args import HEADER_SCOPE, SUFFIX, drafter_from_args, enabled
 
 if TYPE_CHECKING:
@@ -529,12 +530,13 @@ def request_info(handler: Any) -> Optional[RequestInfo]:
     if n < 0:
         raise ValueError(f"num_draft_tokens must be a non-negative integer, got {n}")
     _check_body(handler)
-    # Token ids past the model's logits: checked here where the requested
-    # model has been loaded before (its size never changes), else in the
-    # generation thread once it is (check_for_model).
+    # Token ids past the model's logits (and top_k): checked here where the
+    # requested model has been loaded before (its size never changes), else
+    # in the generation thread once it is (check_for_model).
     key = _requested_key(handler)
     size = state.output_size_for(key) if key is not None else None
     check_logit_bias(getattr(handler, "logit_bias", None), size)
+    validation.check_generation_fields(validation.fields_of_handler(handler), size)
     scope = None
     if state.scope != "global":
         scope = scope_key(handler.body, handler.headers, state.scope)
@@ -577,14 +579,16 @@ def check_for_model(provider: Any, args: Any) -> None:
     """In the generation thread, with the request's model loaded
     (``provider.model``; ``args``: its ``GenerationArguments``): raise
     :class:`RequestRefused` for what the handler could not check before
-    that model was loaded (``logit_bias`` ids past its logits)."""
+    that model was loaded (``logit_bias`` ids past its logits, ``top_k``)."""
     if state_for(provider.cli_args) is None:
         return
     entry = _entry_for_model(provider.model)
-    logits = getattr(args, "logits", None)
-    check_logit_bias(
-        getattr(logits, "logit_bias", None), entry.output_size if entry is not None else None
-    )
+    size = entry.output_size if entry is not None else None
+    check_logit_bias(args.logits.logit_bias, size)
+    try:
+        validation.check_generation_fields(validation.fields_of_args(args), size)
+    except ValueError as e:
+        raise RequestRefused(str(e)) from None
 
 
 def stream_options_with_usage(options: Any) -> Any:
@@ -802,7 +806,8 @@ def answer_error(handler: Any, error: BaseException) -> None:
     if isinstance(error, (BrokenPipeError, ConnectionResetError)):
         logger.debug("mlx-lm-suffix: client disconnected: %s", error)
         return
-    generating = getattr(handler, _GENERATING_ATTR, False)
+    # A refusal raised in generation is the request's own (its parameters).
+    generating = getattr(handler, _GENERATING_ATTR, False) and not isinstance(error, RequestRefused)
     logger.error("mlx-lm-suffix: request failed: %s", error, exc_info=generating)
     message = GENERATION_FAILED if generating else str(error) or type(error).__name__
     buffered = getattr(handler, "_headers_buffer", None)
@@ -817,7 +822,8 @@ def answer_error(handler: Any, error: BaseException) -> None:
             handler.end_headers()
             handler.wfile.write(body)
         elif getattr(handler, "stream", False):
-            event = {"error": {"message": message, "type": "server_error", "code": 500}}
+            kind, code = ("server_error", 500) if generating else ("invalid_request_error", 400)
+            event = {"error": {"message": message, "type": kind, "code": code}}
             handler.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
         handler.wfile.flush()
     except OSError:
