@@ -130,6 +130,13 @@ SIGNATURES: Dict[str, Optional[str]] = {
     "mlx_lm.server:APIHandler.do_POST": "self",
     "mlx_lm.server:APIHandler.do_GET": "self",
     "mlx_lm.server:APIHandler._set_completion_headers": "self, status_code",
+    "mlx_lm.server:APIHandler.send_response": "self, code, message",
+    # serving.timed_responses reads the prompt and each response's finish reason
+    "mlx_lm.server:GenerationContext": (
+        "has_tool_calling, has_thinking, tool_parser, text_sm, initial_state, prompt, "
+        "prompt_cache_count, _should_stop"
+    ),
+    "mlx_lm.server:Response": "text, token, logprob, finish_reason, top_tokens",
 }
 
 # What SuffixBatchGenerator._prefill_ahead reads of BatchGenerator, as its
@@ -159,6 +166,9 @@ LOOKUPS: Dict[str, Tuple[str, ...]] = {
     "mlx_lm.server:main": ("argparse", "run"),
     # patches.server._run_http_server: stock run() serves HTTP through it
     "mlx_lm.server:run": ("_run_http_server",),
+    # patches.server.send_response sees every status the handler sends
+    "mlx_lm.server:APIHandler._set_completion_headers": ("send_response",),
+    "mlx_lm.server:APIHandler._set_stream_headers": ("send_response",),
     # serving._requested_key maps a request's model names as load does
     "mlx_lm.server:ModelProvider.load": ("_load", "_model_map", "_adapter_map", "_draft_model_map"),
     "mlx_lm.server:ResponseGenerator._run_generate": ("_generate",),

@@ -53,6 +53,7 @@ from urllib.parse import urlsplit
 
 from .. import ranks
 from ..drafter import PRIVATE, SuffixDrafter
+from ..metrics import METRICS_PATH, ServerMetrics
 from ..persistence import CacheFile, CacheFileRefused, model_id, vocabulary_size
 from ..stats import BatchDraftStats, RequestUsage
 from . import validation
@@ -100,6 +101,15 @@ class RequestInfo:
     scope: Hashable
     usage: RequestUsage
     arrived: float = field(default_factory=time.perf_counter)
+    # For the metrics (mlx_lm_suffix.metrics): the model that served it (set
+    # as it began generating), its prompt and emitted tokens, when the first
+    # and last token reached its handler, and mlx-lm's finish reason.
+    model: Optional[str] = None
+    prompt_tokens: int = 0
+    tokens: int = 0
+    first_token_at: Optional[float] = None
+    last_token_at: Optional[float] = None
+    finish_reason: Optional[str] = None
 
 
 class SuffixServing:
@@ -117,6 +127,7 @@ class SuffixServing:
         self.entries: Dict[Tuple[Any, ...], ModelEntry] = {}
         # The generation thread's request queue (ResponseGenerator.requests).
         self.requests: Any = None
+        self.metrics = ServerMetrics(self)
 
     def requests_waiting(self) -> bool:
         """Whether requests wait in the server's queue, not yet taken by the
@@ -191,7 +202,12 @@ class SuffixServing:
         save, and :func:`exit_after_shutdown` armed once it returns."""
         global _shutdown_done
         saving = self.cache_file.saving() if self.cache_file else contextlib.nullcontext()
-        with saving, _sigterm_as_ctrl_c(self.save):
+        # Distributed: rank 0 answers HTTP and drafts for every rank.
+        args, operator = self.cli_args, not ranks.following()
+        log = self.metrics.logging(getattr(args, "suffix_log_interval", 0) if operator else 0)
+        listen = self.metrics.listening(getattr(args, "suffix_metrics_host", None),
+                                        getattr(args, "suffix_metrics_port", None) if operator else None)
+        with saving, _sigterm_as_ctrl_c(self.save), log, listen:
             try:
                 yield
             except KeyboardInterrupt:
@@ -208,6 +224,12 @@ class SuffixServing:
                 generator.close()
 
     # ------------------------------------------------------------- stats
+    def drafter_snapshots(self) -> List[Tuple[str, Dict[str, Any]]]:
+        """``(model name, its drafter's snapshot)`` of each loaded model that drafts."""
+        with self._lock:
+            entries = list(self.entries.values())
+        return [(e.name, e.drafter.snapshot()) for e in entries if e.drafter is not None]
+
     def stats_payload(self) -> Dict[str, Any]:
         """The body of ``GET /v1/suffix/stats``, for anyone who can reach the
         server: settings, the drafters' limits and the batch counters, and
@@ -575,11 +597,12 @@ def _check_body(handler: Any) -> None:
         raise ValueError("stream_options must be an object")
 
 
-def check_for_model(provider: Any, args: Any) -> None:
+def check_for_model(provider: Any, args: Any, request: Any = None) -> None:
     """In the generation thread, with the request's model loaded
     (``provider.model``; ``args``: its ``GenerationArguments``): raise
     :class:`RequestRefused` for what the handler could not check before
-    that model was loaded (``logit_bias`` ids past its logits, ``top_k``)."""
+    that model was loaded (``logit_bias`` ids past its logits, ``top_k``);
+    the request's info learns which model serves it."""
     if state_for(provider.cli_args) is None:
         return
     entry = _entry_for_model(provider.model)
@@ -589,6 +612,9 @@ def check_for_model(provider: Any, args: Any) -> None:
         validation.check_generation_fields(validation.fields_of_args(args), size)
     except ValueError as e:
         raise RequestRefused(str(e)) from None
+    info = getattr(request, _REQUEST_ATTR, None)
+    if info is not None and entry is not None:
+        info.model = entry.name
 
 
 def stream_options_with_usage(options: Any) -> Any:
@@ -617,6 +643,62 @@ def add_usage(response: Dict[str, Any], info: Optional[RequestInfo]) -> Dict[str
 
 def is_stats_path(path: str) -> bool:
     return urlsplit(path).path.rstrip("/") == STATS_PATH
+
+
+def is_metrics_path(path: str) -> bool:
+    return urlsplit(path).path.rstrip("/") == METRICS_PATH
+
+
+def timed_responses(request: Any, ctx: Any, responses: Iterator[Any]) -> Iterator[Any]:
+    """The token responses of a request that began generating (``ctx``: its
+    ``GenerationContext``), as its handler reads them, noted on the
+    request's info for the metrics: tokens, when the first and last came,
+    the finish reason."""
+    info = getattr(request, _REQUEST_ATTR, None)
+    if info is None:
+        return responses
+    info.prompt_tokens = len(ctx.prompt)
+
+    def noted() -> Iterator[Any]:
+        for r in responses:
+            info.last_token_at = time.perf_counter()
+            if info.first_token_at is None:
+                info.first_token_at = info.last_token_at
+            info.tokens += 1
+            info.finish_reason = r.finish_reason or info.finish_reason
+            yield r
+
+    return noted()
+
+
+def observe_post(handler: Any, started: float, error: Optional[BaseException]) -> None:
+    """A completion POST of a suffix server ended (``started``: when its
+    handler began; ``error``: what ended its answer, if anything): count it
+    in the metrics."""
+    outcome = None
+    if isinstance(error, (BrokenPipeError, ConnectionResetError)):
+        outcome = "abort"
+    elif error is not None:
+        outcome = "error"
+    state = state_for(handler.response_generator.cli_args)
+    state.metrics.observe(urlsplit(handler.path).path, getattr(handler, _STATUS_ATTR, None),
+                          getattr(handler, _REQUEST_ATTR, None), started, outcome)
+
+
+_STATUS_ATTR = "_mlx_lm_suffix_status"
+
+
+def start_post(handler: Any) -> float:
+    """A POST begins on a suffix server's handler (which a kept-alive
+    connection reuses): forget the last request's; returns the time."""
+    setattr(handler, _REQUEST_ATTR, None)
+    setattr(handler, _STATUS_ATTR, None)
+    return time.perf_counter()
+
+
+def note_status(handler: Any, code: int) -> None:
+    """The handler sent HTTP status ``code`` (the last one sent counts)."""
+    setattr(handler, _STATUS_ATTR, code)
 
 
 # A request being admitted by the server's generation thread: set when its
