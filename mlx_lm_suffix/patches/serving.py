@@ -586,11 +586,12 @@ def _check_body(handler: Any) -> None:
             # Stock: an empty one ends the generation thread, other types
             # fail in the tokenizer.
             raise ValueError("prompt must be a non-empty string")
-    stop = handler.body.get("stop")
-    if stop is not None and not (
-        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(w, str) for w in stop))
-    ):
-        # Stock: a TypeError in the generation thread, which ends it.
+    # Stock takes `body.get("stop") or []`, a string as one word, and
+    # iterates anything else: an object's keys are words too. Words that
+    # are not strings: a TypeError in the generation thread, which ends it.
+    stop = handler.body.get("stop") or []
+    if not (isinstance(stop, str) or (
+            isinstance(stop, (list, dict)) and all(isinstance(w, str) for w in stop))):
         raise ValueError("stop must be a string or a list of strings")
     options = handler.body.get("stream_options")
     if options is not None and not isinstance(options, dict):
