@@ -232,6 +232,21 @@ class _DrafterCollector:
         yield from gauges.values()
 
 
+def samples(text: str) -> Dict[Tuple[str, Tuple[Tuple[str, str], ...]], float]:
+    """A scrape's samples (Prometheus text, read by prometheus_client's
+    parser): value by sample name and sorted label items."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def total(scrape: Dict[Tuple[str, Tuple[Tuple[str, str], ...]], float], name: str,
+          **labels: str) -> float:
+    """The sum of the :func:`samples` named ``name`` whose labels include ``labels``."""
+    return sum(v for (n, ls), v in scrape.items() if n == name and set(labels.items()) <= set(ls))
+
+
 #: The counters :func:`log_line` reads, of a drafter that has done nothing.
 _NOTHING: Dict[str, Any] = {"steps": 0, "accepted": 0, "drafted": 0, "refused": 0,
                             "source_drafts": {}, "accepted_per_position": {}}

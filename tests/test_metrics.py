@@ -20,9 +20,8 @@ from pathlib import Path
 
 import mlx_lm  # noqa: F401  (first: mlx_lm_suffix imports mlx_lm)
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from mlx_lm_suffix.metrics import log_line
+from mlx_lm_suffix.metrics import log_line, samples, total
 from mlx_lm_suffix.tools import bench, workloads
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -58,15 +57,7 @@ def scrape(url):
     """{(metric sample name, sorted label items): value} of a scrape."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         assert r.headers["Content-Type"].startswith("text/plain")
-        text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def total(samples, name, **labels):
-    """Sum of ``name``'s samples whose labels include ``labels``."""
-    return sum(v for (n, ls), v in samples.items()
-               if n == name and set(labels.items()) <= set(ls))
+        return samples(r.read().decode())
 
 
 def send(url, body, stream):
