@@ -87,8 +87,8 @@ class Case:
     shape: str = ""
 
     def greedy(self) -> bool:
-        b = self.fields or {}
-        return b.get("temperature", 0) == 0 and not isinstance(b.get("temperature"), str)
+        """Whether it samples greedily (no temperature: the servers' default, 0)."""
+        return (self.fields or {}).get("temperature", 0) == 0
 
 
 def _type(v: Any) -> str:
@@ -103,7 +103,7 @@ def _type(v: Any) -> str:
 
 def shape_of(path: str, body: Any, stream: bool, junk: str = "") -> str:
     """A request's shape: the endpoint, and each top-level field with its
-    value's type (for messages and prompt, the types inside)."""
+    value's type (for messages, each message's role and content types)."""
     if junk:
         return f"{path} junk:{junk}"
     if not isinstance(body, dict):
@@ -334,8 +334,7 @@ def send(port: int, case: Case, timeout: float = TIMEOUT_S) -> Answer:
 
 
 def _read(s: socket.socket, case: Case, deadline: float) -> Answer:
-    data, events = b"", []
-    head = None
+    data, head = b"", None
     while True:
         s.settimeout(max(0.01, deadline - time.monotonic()))
         chunk = s.recv(65536)
@@ -399,7 +398,7 @@ def stock_failed(stock: Answer) -> bool:
 
 def compare(case: Case, stock: Answer, suffix: Answer) -> Optional[str]:
     """What is wrong with the suffix server's answer to ``case`` given
-    stock's (None: nothing). :data:`INTENDED` differences are not wrong."""
+    stock's (None: nothing); :func:`intended` tells the intended differences."""
     if suffix.kind in ("5xx", "dropped", "hang", "broken") or (
             suffix.kind == "error-event" and not suffix.clear_4xx):
         return f"suffix server: {suffix.kind} {suffix.status} {str(suffix.error)[:120]}"
