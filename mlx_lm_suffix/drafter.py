@@ -306,7 +306,7 @@ class SuffixDrafter:
                 return
             self._trees.extend(req_id, req.scope, req.response[req.planted :])
             self._trees[req.scope].stop_request(req_id)
-            self._trees.keep(req_id, req.scope, req.response)
+            self.stats.evictions += self._trees.keep(req_id, req.scope, req.response)
 
     def context(self, req_id: int) -> List[int]:
         """The request's tokens the drafter holds (the prompt's last
@@ -340,7 +340,8 @@ class SuffixDrafter:
         n = 0
         with self._lock:
             for scope, tokens in responses:
-                self._trees.add(next(self._ids), scope, [int(t) for t in tokens])
+                self.stats.evictions += self._trees.add(next(self._ids), scope,
+                                                        [int(t) for t in tokens])
                 n += 1
         return n
 

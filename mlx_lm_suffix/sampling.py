@@ -74,9 +74,18 @@ def rewind(states: Optional[List[mx.array]], draws: int) -> None:
     MLX sets the state only by seed, and the key of seed ``s`` is the two
     32-bit halves of ``s`` (mlx 0.32, checked by :func:`_keys_are_seeds`):
     a key read back is its seed."""
-    if states is not None and _keys_are_seeds():
-        hi, lo = states[draws - 1].tolist()
-        mx.random.seed((hi << 32) | lo)
+    if states is not None:
+        set_key(states[draws - 1])
+
+
+def set_key(key: mx.array) -> bool:
+    """Make ``key`` MLX's global random key again; whether it could (where
+    MLX's keys are not seeds, :func:`_keys_are_seeds`, it cannot)."""
+    if not _keys_are_seeds():
+        return False
+    hi, lo = key.tolist()
+    mx.random.seed((hi << 32) | lo)
+    return True
 
 
 _KEY_LAYOUT: List[bool] = []

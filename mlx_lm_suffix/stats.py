@@ -73,6 +73,8 @@ class DraftStats(Counters):
     """A drafter's counts over all its requests."""
 
     requests: int = 0
+    #: Earlier responses the global cache dropped for its bounds.
+    evictions: int = 0
     steps: int = 0
     draft_steps: int = 0
     drafted: int = 0
@@ -115,8 +117,9 @@ class DraftStats(Counters):
     def count(self, steps: int = 0, drafted: int = 0, accepted: int = 0, draft: Any = None,
               host_s: float = 0.0, replayed: Optional[int] = None, source: str = "tree",
               last: int = 0) -> None:
-        """The one writer of these counts but ``requests``, ``tokens``
-        (the drafter's lifecycle) and the waits (:meth:`waited`): ``steps``
+        """The one writer of these counts but ``requests``, ``tokens``,
+        ``evictions`` (the drafter's lifecycle) and the waits
+        (:meth:`waited`): ``steps``
         forwards; ``drafted`` tokens of ``draft`` (a
         :class:`~mlx_lm_suffix.sources.Draft`) verified; ``accepted`` draft
         tokens from ``source`` emitted, at a draft's first positions

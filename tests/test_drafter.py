@@ -111,6 +111,9 @@ def test_bounds_evict_oldest_first():
     assert d.cached_tokens == 22
     # Each cached response keeps its one-token prompt as context.
     assert [t[:2] for _, t in d.cached_responses()] == [[4, 4000], [5, 5000]]
+    assert d.stats.evictions == 4  # six kept in turn, two left
+    d.add_responses([(None, list(range(30)))])  # longer than the bound: not kept
+    assert d.stats.evictions == 4 and d.cached_requests == 2
     probe = d.start([9])
     d.commit(probe, [0, 1, 2])  # the first response was evicted
     assert d.propose(probe).tokens == []

@@ -4,7 +4,8 @@
 Both take the ``--suffix-*`` drafter options of :func:`add_drafter_arguments`
 and default ``--num-draft-tokens`` to :data:`DEFAULT_NUM_DRAFT_TOKENS` when
 drafting with suffix trees (to mlx-lm's default otherwise). The server adds
-``--suffix-cache-scope`` and ``--suffix-cache-file``.
+``--suffix-cache-scope``, ``--suffix-cache-file``, ``--suffix-log-interval``
+and ``--suffix-metrics-port`` / ``--suffix-metrics-host``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ SCOPES = ("global", "user")
 #: ``--suffix-cache-scope header:NAME``: the prefix, and what NAME may be (an HTTP token).
 HEADER_SCOPE = "header:"
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+#: Seconds between two ``SpecDecoding metrics`` log lines, as vLLM's.
+DEFAULT_LOG_INTERVAL = 10.0
 # mlx-lm's own --num-draft-tokens default, of each parser.
 _stock_num_draft_tokens: Attached[int] = Attached()
 
@@ -180,6 +183,30 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         f"{SAVE_INTERVAL_S:g} s). A missing or invalid file starts empty (one "
         "warning; the file is kept until new responses are saved to it).",
     )
+    group.add_argument(
+        "--suffix-log-interval",
+        type=_seconds,
+        default=DEFAULT_LOG_INTERVAL,
+        metavar="SECONDS",
+        help="Log a 'SpecDecoding metrics' line (mean acceptance length, accepted and "
+        "drafted tokens/s, per-position acceptance, refused drafts) at INFO every "
+        f"SECONDS while requests are served; 0 turns it off. Default: {DEFAULT_LOG_INTERVAL:g}",
+    )
+    group.add_argument(
+        "--suffix-metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="Also serve every Prometheus metric on PORT (of --suffix-metrics-host), "
+        "the operator's scrape address: GET /metrics on the server's own port shows "
+        "only the settings unless --suffix-cache-scope is global. Default: none",
+    )
+    group.add_argument(
+        "--suffix-metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="Address of --suffix-metrics-port. Default: 127.0.0.1",
+    )
 
 
 def finalize_generate_args(
@@ -203,6 +230,7 @@ def finalize_server_args(parser: argparse.ArgumentParser, ns: argparse.Namespace
         for flag, value in (
             ("--suffix-cache-file", ns.suffix_cache_file),
             (f"--suffix-cache-scope {scope}", scope != "global" or None),
+            ("--suffix-metrics-port", ns.suffix_metrics_port),
         ):
             if value is not None:
                 parser.error(f"{flag} needs --draft suffix")
@@ -225,6 +253,17 @@ def refuse_suffix_options(
         options.insert(0, f"--draft {SUFFIX}")
     if options:
         parser.exit(2, f"{parser.prog}: error: {refusal(options[0])}\n")
+
+
+def _seconds(value: str) -> float:
+    """A ``--suffix-log-interval``: seconds, 0 or more."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid value: {value!r} (seconds, 0 or more)")
+    return seconds
 
 
 def enabled(cli_args: argparse.Namespace) -> bool:

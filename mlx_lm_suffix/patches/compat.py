@@ -111,6 +111,16 @@ SIGNATURES: Dict[str, Optional[str]] = {
     "mlx_lm.server:ModelProvider._load": "self, model_path, adapter_path, draft_model_path",
     "mlx_lm.server:ModelProvider.reset": "self",
     "mlx_lm.server:ResponseGenerator._tokenize": "self, tokenizer, request, args",
+    "mlx_lm.server:_make_sampler": "args, tokenizer",
+    "mlx_lm.server:_make_logits_processors": "args",
+    # patches.validation reads the request's fields by these names
+    "mlx_lm.server:SamplingArguments": (
+        "temperature, top_p, top_k, min_p, xtc_probability, xtc_threshold"
+    ),
+    "mlx_lm.server:LogitsProcessorArguments": (
+        "logit_bias, repetition_penalty, repetition_context_size, presence_penalty, "
+        "presence_context_size, frequency_penalty, frequency_context_size"
+    ),
     "mlx_lm.server:ResponseGenerator._next_request": "self, timeout",
     "mlx_lm.server:ResponseGenerator._generate": "self",
     "mlx_lm.server:ResponseGenerator.generate": "self, request, generation_args, progress_callback",
@@ -121,6 +131,13 @@ SIGNATURES: Dict[str, Optional[str]] = {
     "mlx_lm.server:APIHandler.completion_usage_response": None,
     "mlx_lm.server:APIHandler.do_POST": "self",
     "mlx_lm.server:APIHandler.do_GET": "self",
+    "mlx_lm.server:APIHandler.send_response": "self, code, message",
+    # serving.timed_responses reads the prompt and each response's finish reason
+    "mlx_lm.server:GenerationContext": (
+        "has_tool_calling, has_thinking, tool_parser, text_sm, initial_state, prompt, "
+        "prompt_cache_count, _should_stop"
+    ),
+    "mlx_lm.server:Response": "text, token, logprob, finish_reason, top_tokens",
     **internals.CALLS,
 }
 
@@ -134,16 +151,26 @@ LOOKUPS: Dict[str, Tuple[str, ...]] = {
     "mlx_lm.server:main": ("argparse", "run"),
     # patches.server._run_http_server: stock run() serves HTTP through it
     "mlx_lm.server:run": ("_run_http_server",),
+    # patches.server.send_response sees every status the handler sends
+    "mlx_lm.server:APIHandler._set_completion_headers": ("send_response",),
+    "mlx_lm.server:APIHandler._set_stream_headers": ("send_response",),
     "mlx_lm.server:ResponseGenerator._run_generate": ("_generate",),
-    "mlx_lm.server:ResponseGenerator._generate": ("BatchGenerator", "_next_request", "_tokenize"),
-    "mlx_lm.server:ResponseGenerator._serve_single": ("stream_generate", "_tokenize"),
-    "mlx_lm.server:APIHandler.do_POST": ("validate_model_parameters", "handle_completion"),
+    "mlx_lm.server:ResponseGenerator._generate": (
+        "BatchGenerator", "_next_request", "_tokenize", "_make_sampler", "_make_logits_processors"
+    ),
+    "mlx_lm.server:ResponseGenerator._serve_single": (
+        "stream_generate", "_tokenize", "_make_sampler", "_make_logits_processors"
+    ),
+    # patches.isolation: a failed request's handler stops its context, which
+    # the generation loop reads to remove its row (as a disconnect's)
     "mlx_lm.server:APIHandler.handle_completion": (
         "generate_response",
         "completion_usage_response",
         "generate",  # ResponseGenerator.generate, wrapped
         "stream_options",  # its "include_usage" made present
+        "stop",  # ctx.stop() once the response loop ends, however
     ),
+    "mlx_lm.server:APIHandler.do_POST": ("validate_model_parameters", "handle_completion"),
 }
 
 # Methods and the attributes they set on the instance, which mlx_lm_suffix
@@ -180,6 +207,19 @@ ATTRIBUTES: Dict[str, Tuple[str, ...]] = {
         "logit_bias",
         "logprobs",
         "top_logprobs",
+        # patches.validation
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "xtc_probability",
+        "xtc_threshold",
+        "repetition_penalty",
+        "repetition_context_size",
+        "presence_penalty",
+        "presence_context_size",
+        "frequency_penalty",
+        "frequency_context_size",
     ),
 }
 # The private ones, read and written by mlx_lm_suffix.internals.

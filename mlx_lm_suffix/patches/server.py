@@ -20,7 +20,7 @@ from http.server import ThreadingHTTPServer
 from types import ModuleType
 
 from .. import internals
-from . import compat, serving
+from . import compat, isolation, serving, validation
 from .args import add_server_arguments, finalize_server_args, refuse_suffix_options
 from .compat import Patch, original
 
@@ -104,7 +104,7 @@ def BatchGenerator(model, **kwargs):
 # into the batch (insert_segments) or served by _serve_single, with the
 # request's model loaded; what it raises fails that request alone.
 def _tokenize(self, tokenizer, request, args):
-    serving.check_for_model(self.model_provider, args)
+    serving.check_for_model(self.model_provider, args, request)
     result = original(_tokenize)(self, tokenizer, request, args)
     serving.admit(self.model_provider.cli_args, request, result[0])
     return result
@@ -117,7 +117,20 @@ def _tokenize(self, tokenizer, request, args):
 def _next_request(self, timeout=None):
     item = original(_next_request)(self, timeout)
     serving.note_request_taken(self, item)
+    if item is not None and serving.state_for(self.cli_args) is not None:
+        isolation.track(item[2], item[0])
     return item
+
+
+# mlx-lm 0.32.2 _make_sampler(args, tokenizer) and _make_logits_processors(args): module
+# globals that ResponseGenerator._generate (inserting a request into the batch) and
+# _serve_single call per request: on suffix servers what they make fails its request alone.
+def _make_sampler(args, tokenizer):
+    return isolation.guard_sampler(original(_make_sampler)(args, tokenizer), args)
+
+
+def _make_logits_processors(args):
+    return isolation.guard_processors(original(_make_logits_processors)(args), args)
 
 
 def _generate(self):
@@ -129,11 +142,13 @@ def _generate(self):
 # first response, and APIHandler.handle_completion answers any Exception
 # from it with HTTP 404: a request the generation thread refused
 # (serving.RequestRefused) passes it as serving.Refused to do_POST (400).
+# It returns (ctx, the iterator of the request's token responses): timed.
 def generate(self, request, generation_args, progress_callback=None):
     try:
-        return original(generate)(self, request, generation_args, progress_callback)
+        ctx, responses = original(generate)(self, request, generation_args, progress_callback)
     except serving.RequestRefused as e:
         raise serving.Refused(e) from None
+    return ctx, serving.timed_responses(request, ctx, responses)
 
 
 # mlx-lm 0.32.2 ResponseGenerator._serve_single calls the module-global
@@ -155,6 +170,9 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, draft_model=None, 
 # mlx-lm 0.32.2 APIHandler.validate_model_parameters(): called by do_POST once the body
 # fields are attributes; a ValueError becomes HTTP 400 with its message.
 def validate_model_parameters(self):
+    if serving.state_for(self.response_generator.cli_args) is not None:
+        # (Stock converts logit_bias catching ValueError only.)
+        validation.check_logit_bias_values(self.logit_bias)
     original(validate_model_parameters)(self)
     serving.request_options(self)
 
@@ -194,18 +212,37 @@ def do_POST(self):
             # close the connection; 0.32.1 answers 400 itself.
             return serving.answer_error(self, e)
     serving.mark_generating(self, False)
+    started, error = serving.start_post(self), None
     try:
         original(do_POST)(self)
     except serving.Refused as e:
         serving.mark_generating(self, False)
         serving.answer_error(self, e.args[0])
     except Exception as e:
+        error = e
         serving.answer_error(self, e)
+    serving.observe_post(self, started, error)
 
 
-# mlx-lm 0.32.2 APIHandler.do_GET(): GET /v1/suffix/stats on suffix servers.
+# The status of every answer: mlx-lm 0.32.2's APIHandler sends it through
+# BaseHTTPRequestHandler.send_response (_set_completion_headers, _set_stream_headers).
+def send_response(self, code, message=None):
+    serving.note_status(self, code)
+    return original(send_response)(self, code, message)
+
+
+# mlx-lm 0.32.2 APIHandler.do_GET(): GET /v1/suffix/stats and /metrics on suffix servers.
 def do_GET(self):
     state = serving.state_for(self.response_generator.cli_args)
+    if state is not None and serving.is_metrics_path(self.path):
+        body, content_type = state.metrics.exposition(self.headers.get("Accept"))
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.wfile.flush()
+        return
     if state is None or not serving.is_stats_path(self.path):
         return original(do_GET)(self)
     body = json.dumps(state.stats_payload()).encode()
@@ -228,6 +265,8 @@ PATCHES = [
     Patch(_SERVER, "main", main),
     Patch(_SERVER, "BatchGenerator", BatchGenerator),
     Patch(_SERVER, "stream_generate", stream_generate),
+    Patch(_SERVER, "_make_sampler", _make_sampler),
+    Patch(_SERVER, "_make_logits_processors", _make_logits_processors),
     Patch(_PROVIDER, "_load", _load),
     Patch(_GENERATOR, "_tokenize", _tokenize),
     Patch(_GENERATOR, "_next_request", _next_request),
@@ -238,6 +277,7 @@ PATCHES = [
     Patch(_HANDLER, "generate_response", generate_response),
     Patch(_HANDLER, "completion_usage_response", completion_usage_response),
     Patch(_HANDLER, "do_POST", do_POST),
+    Patch(_HANDLER, "send_response", send_response),
     Patch(_HANDLER, "do_GET", do_GET),
 ]
 

@@ -59,6 +59,7 @@ from typing import (
     Dict,
     Hashable,
     Iterator,
+    List,
     Optional,
     Sequence,
     Tuple,
@@ -68,9 +69,11 @@ from urllib.parse import urlsplit
 from .. import internals, ranks
 from ..drafter import PRIVATE, SuffixDrafter
 from ..internals import Attached
+from ..metrics import METRICS_PATH, ServerMetrics
 from ..persistence import CacheFile, CacheFileRefused, model_id, vocabulary_size
 from ..speculation import RequestOptions
 from ..stats import BatchDraftStats, RequestUsage
+from . import validation
 from .args import HEADER_SCOPE, SUFFIX, drafter_from_args, enabled
 
 logger = logging.getLogger("mlx_lm_suffix.serving")
@@ -89,6 +92,10 @@ _handler_options: Attached[RequestOptions] = Attached()
 _request_options: Attached[RequestOptions] = Attached()
 _taken: Attached["weakref.WeakSet"] = Attached()
 _generating: Attached[bool] = Attached()
+# A request's record for the metrics (by its handler and by its
+# CompletionRequest), and the HTTP status a handler last sent.
+_records: Attached["RequestRecord"] = Attached()
+_statuses: Attached[int] = Attached()
 
 
 # ------------------------------------------------------------------ state
@@ -113,6 +120,27 @@ class ModelEntry:
     served: Any = None
 
 
+@dataclass
+class RequestRecord:
+    """What a suffix server records of one request for its metrics
+    (:mod:`mlx_lm_suffix.metrics`): the model that served it (set as it
+    began generating), its prompt and emitted tokens, when the first and
+    last token reached its handler, mlx-lm's finish reason, and its
+    drafting options (their ``usage``)."""
+
+    options: RequestOptions
+    model: Optional[str] = None
+    prompt_tokens: int = 0
+    tokens: int = 0
+    first_token_at: Optional[float] = None
+    last_token_at: Optional[float] = None
+    finish_reason: Optional[str] = None
+
+    @property
+    def usage(self) -> RequestUsage:
+        return self.options.usage
+
+
 class SuffixServing:
     """State of one ``mlx_lm.server --draft suffix``."""
 
@@ -128,6 +156,7 @@ class SuffixServing:
         self.entries: Dict[Tuple[Any, ...], ModelEntry] = {}
         # The generation thread's request queue (ResponseGenerator.requests).
         self.requests: Any = None
+        self.metrics = ServerMetrics(self)
 
     def requests_waiting(self) -> bool:
         """Whether requests wait in the server's queue, not yet taken by the
@@ -218,7 +247,12 @@ class SuffixServing:
         save, and :func:`exit_after_shutdown` armed once it returns."""
         global _shutdown_done
         saving = self.cache_file.saving() if self.cache_file else contextlib.nullcontext()
-        with saving, _sigterm_as_ctrl_c(self.save):
+        # Distributed: rank 0 answers HTTP and drafts for every rank.
+        args, operator = self.cli_args, not ranks.following()
+        log = self.metrics.logging(getattr(args, "suffix_log_interval", 0) if operator else 0)
+        listen = self.metrics.listening(getattr(args, "suffix_metrics_host", None),
+                                        getattr(args, "suffix_metrics_port", None) if operator else None)
+        with saving, _sigterm_as_ctrl_c(self.save), log, listen:
             try:
                 yield
             except KeyboardInterrupt:
@@ -235,6 +269,12 @@ class SuffixServing:
                 generator.close()
 
     # ------------------------------------------------------------- stats
+    def drafter_snapshots(self) -> List[Tuple[str, Dict[str, Any]]]:
+        """``(model name, its drafter's snapshot)`` of each loaded model that drafts."""
+        with self._lock:
+            entries = list(self.entries.values())
+        return [(e.name, e.drafter.snapshot()) for e in entries if e.drafter is not None]
+
     def stats_payload(self) -> Dict[str, Any]:
         """The body of ``GET /v1/suffix/stats``, for anyone who can reach the
         server: settings, the drafters' limits and the batch counters, and
@@ -573,13 +613,14 @@ def request_options(handler: Any) -> Optional[RequestOptions]:
     if n < 0:
         raise ValueError(f"num_draft_tokens must be a non-negative integer, got {n}")
     _check_body(handler)
-    # Token ids past the model's logits: checked here where the requested
-    # model has been loaded before (its size never changes), else in the
-    # generation thread once it is (check_for_model).
+    # Token ids past the model's logits (and top_k): checked here where the
+    # requested model has been loaded before (its size never changes), else
+    # in the generation thread once it is (check_for_model).
     key = internals.model_key(handler.response_generator.model_provider,
                               handler.requested_model, handler.adapter)
     size = state.output_size_for(key) if key is not None else None
     check_logit_bias(getattr(handler, "logit_bias", None), size)
+    validation.check_generation_fields(validation.fields_of_handler(handler), size)
     scope = None
     if state.scope != "global":
         scope = scope_key(handler.body, handler.headers, state.scope)
@@ -593,6 +634,7 @@ def request_options(handler: Any) -> Optional[RequestOptions]:
     options = RequestOptions(num_draft_tokens=n if drafting else 0, scope=scope,
                              usage=RequestUsage(), arrived=time.perf_counter())
     _handler_options.set(handler, options)
+    _records.set(handler, RequestRecord(options))
     return options
 
 
@@ -605,29 +647,36 @@ def _check_body(handler: Any) -> None:
             # Stock: an empty one ends the generation thread, other types
             # fail in the tokenizer.
             raise ValueError("prompt must be a non-empty string")
-    stop = handler.body.get("stop")
-    if stop is not None and not (
-        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(w, str) for w in stop))
-    ):
-        # Stock: a TypeError in the generation thread, which ends it.
+    # Stock takes `body.get("stop") or []`, a string as one word, and
+    # iterates anything else: an object's keys are words too. Words that
+    # are not strings: a TypeError in the generation thread, which ends it.
+    stop = handler.body.get("stop") or []
+    if not (isinstance(stop, str) or (
+            isinstance(stop, (list, dict)) and all(isinstance(w, str) for w in stop))):
         raise ValueError("stop must be a string or a list of strings")
     options = handler.body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise ValueError("stream_options must be an object")
 
 
-def check_for_model(provider: Any, args: Any) -> None:
+def check_for_model(provider: Any, args: Any, request: Any = None) -> None:
     """In the generation thread, with the request's model loaded
     (``provider.model``; ``args``: its ``GenerationArguments``): raise
     :class:`RequestRefused` for what the handler could not check before
-    that model was loaded (``logit_bias`` ids past its logits)."""
+    that model was loaded (``logit_bias`` ids past its logits, ``top_k``);
+    the request's info learns which model serves it."""
     if state_for(provider.cli_args) is None:
         return
     entry = _entries.get(provider.model)
-    logits = getattr(args, "logits", None)
-    check_logit_bias(
-        getattr(logits, "logit_bias", None), entry.output_size if entry is not None else None
-    )
+    size = entry.output_size if entry is not None else None
+    check_logit_bias(args.logits.logit_bias, size)
+    try:
+        validation.check_generation_fields(validation.fields_of_args(args), size)
+    except ValueError as e:
+        raise RequestRefused(str(e)) from None
+    record = _records.get(request)
+    if record is not None and entry is not None:
+        record.model = entry.name
 
 
 def stream_options_with_usage(options: Any) -> Any:
@@ -646,6 +695,9 @@ def hand_to_generation(handler: Any, request: Any) -> bool:
     options = _handler_options.get(handler)
     if options is not None:
         _request_options.set(request, options)
+        record = _records.get(handler)
+        if record is not None:
+            _records.set(request, record)
     return options is not None
 
 
@@ -663,6 +715,59 @@ def add_usage(response: Dict[str, Any], handler: Any) -> Dict[str, Any]:
 
 def is_stats_path(path: str) -> bool:
     return urlsplit(path).path.rstrip("/") == STATS_PATH
+
+
+def is_metrics_path(path: str) -> bool:
+    return urlsplit(path).path.rstrip("/") == METRICS_PATH
+
+
+def timed_responses(request: Any, ctx: Any, responses: Iterator[Any]) -> Iterator[Any]:
+    """The token responses of a request that began generating (``ctx``: its
+    ``GenerationContext``), as its handler reads them, noted in its
+    :class:`RequestRecord`: tokens, when the first and last came, the
+    finish reason."""
+    record = _records.get(request)
+    if record is None:
+        return responses
+    record.prompt_tokens = len(ctx.prompt)
+
+    def noted() -> Iterator[Any]:
+        for r in responses:
+            record.last_token_at = time.perf_counter()
+            if record.first_token_at is None:
+                record.first_token_at = record.last_token_at
+            record.tokens += 1
+            record.finish_reason = r.finish_reason or record.finish_reason
+            yield r
+
+    return noted()
+
+
+def observe_post(handler: Any, started: float, error: Optional[BaseException]) -> None:
+    """A completion POST of a suffix server ended (``started``: when its
+    handler began; ``error``: what ended its answer, if anything): count it
+    in the metrics."""
+    outcome = None
+    if isinstance(error, (BrokenPipeError, ConnectionResetError)):
+        outcome = "abort"
+    elif error is not None:
+        outcome = "error"
+    state = state_for(handler.response_generator.cli_args)
+    state.metrics.observe(urlsplit(handler.path).path, _statuses.get(handler),
+                          _records.get(handler), started, outcome)
+
+
+def start_post(handler: Any) -> float:
+    """A POST begins on a suffix server's handler (which a kept-alive
+    connection reuses): forget the last request's; returns the time."""
+    _records.pop(handler)
+    _statuses.pop(handler)
+    return time.perf_counter()
+
+
+def note_status(handler: Any, code: int) -> None:
+    """The handler sent HTTP status ``code`` (the last one sent counts)."""
+    _statuses.set(handler, code)
 
 
 # The request the server's generation thread is admitting: set when its
@@ -859,7 +964,8 @@ def answer_error(handler: Any, error: BaseException) -> None:
     if isinstance(error, (BrokenPipeError, ConnectionResetError)):
         logger.debug("mlx-lm-suffix: client disconnected: %s", error)
         return
-    generating = bool(_generating.get(handler, False))
+    # A refusal raised in generation is the request's own (its parameters).
+    generating = bool(_generating.get(handler, False)) and not isinstance(error, RequestRefused)
     logger.error("mlx-lm-suffix: request failed: %s", error, exc_info=generating)
     message = GENERATION_FAILED if generating else str(error) or type(error).__name__
     try:
@@ -872,7 +978,8 @@ def answer_error(handler: Any, error: BaseException) -> None:
             handler.end_headers()
             handler.wfile.write(body)
         elif getattr(handler, "stream", False):
-            event = {"error": {"message": message, "type": "server_error", "code": 500}}
+            kind, code = ("server_error", 500) if generating else ("invalid_request_error", 400)
+            event = {"error": {"message": message, "type": kind, "code": code}}
             handler.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
         handler.wfile.flush()
     except OSError:

@@ -100,14 +100,18 @@ class SuffixTrees:
             self._caches[scope] = cache
         return cache
 
-    def keep(self, req_id: int, scope: Hashable, response: List[int]) -> None:
+    def keep(self, req_id: int, scope: Hashable, response: List[int]) -> int:
         """Request ``req_id`` of ``scope`` stopped: keep its ``response`` in
-        the global tree as the store's bounds allow, evicting others."""
+        the global tree as the store's bounds allow, evicting others.
+        Returns how many earlier responses it evicted."""
+        evicted = 0
         if req_id in self._caches[scope].cached_requests:
             for s, old in self.kept.add(req_id, scope, response):
                 self._caches[s].evict_cached_response(old)
                 self._drop_if_empty(s)
+                evicted += old != req_id
         self._drop_if_empty(scope)
+        return evicted
 
     def start(self, req_id: int, scope: Hashable, own: List[int], shared: List[int]) -> None:
         """Start request ``req_id`` of ``scope``: its own tree gets ``own``
@@ -180,13 +184,14 @@ class SuffixTrees:
         rest = tokens[n:] if tokens[:n] == deep else []
         return deep + rest, far + [min(p, low) for p in probs[n : n + len(rest)]], LONG_MATCH
 
-    def add(self, req_id: int, scope: Hashable, tokens: List[int]) -> None:
-        """A finished response (e.g. from a file) into ``scope``'s global tree."""
+    def add(self, req_id: int, scope: Hashable, tokens: List[int]) -> int:
+        """A finished response (e.g. from a file) into ``scope``'s global
+        tree; how many earlier ones it evicted."""
         cache = self.open(scope)
         cache.start_request(req_id, [])
         cache.add_active_response(req_id, tokens)
         cache.stop_request(req_id)
-        self.keep(req_id, scope, tokens)
+        return self.keep(req_id, scope, tokens)
 
     def tree_responses(self) -> int:
         """Responses the global trees themselves hold (active requests'

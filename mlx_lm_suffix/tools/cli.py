@@ -548,11 +548,24 @@ def demo_command(
                    "Default: 64 MB plus 1 KiB per token of --max-cached-tokens.")
 @click.option("--log-dir", default=None, help="Server logs. Default: a temporary folder.")
 @click.option("--json-out", default=None, help="Write the summary as JSON here.")
+@click.option("--fuzz", is_flag=True,
+              help="Differential fuzzing instead: generated requests (valid, invalid, junk) "
+                   "to a stock and a suffix server side by side (--examples, --seed, --model, "
+                   "--log-dir, --json-out apply).")
+@click.option("--examples", default=3000, show_default=True, help="With --fuzz: requests to send.")
 def soak_command(model, n_requests, max_tokens, max_concurrency, distinct_prompts,
                  disconnect_rate, max_cached_requests, max_cached_tokens, seed,
-                 rss_growth_limit_mb, log_dir, json_out) -> None:
+                 rss_growth_limit_mb, log_dir, json_out, fuzz, examples) -> None:
     """Soak a `--draft suffix` server: N requests at mixed concurrency with
-    disconnects; checks outputs against a stock server, leaks and bounds."""
+    disconnects; checks outputs against a stock server, leaks and bounds.
+    With --fuzz: answers to generated requests against a stock server's,
+    a witness request beside each, memory."""
+    if fuzz:
+        from .fuzz import run_fuzz
+
+        result = run_fuzz(model=model, examples=examples, seed=seed, log_dir=log_dir,
+                          json_out=json_out, echo=click.echo)
+        sys.exit(0 if result["ok"] else 1)
     from .soak import run_soak
 
     result = run_soak(
