@@ -50,6 +50,9 @@ class _Private:
     def __repr__(self) -> str:
         return "PRIVATE"
 
+    def __reduce__(self) -> str:
+        return "PRIVATE"  # (unpickled: the one PRIVATE, on every rank)
+
 
 #: The scope of a request that shares nothing with other requests: it drafts
 #: from its own prompt and output only, and no part of it is cached.

@@ -23,8 +23,11 @@ hands a request's object to neither its batch nor its single-request loop):
    are validated (HTTP 400 naming the field) into one
    :class:`~mlx_lm_suffix.speculation.RequestOptions`
    (:func:`request_options`), kept for the handler;
-2. ``APIHandler.handle_completion(request)``: the same options, kept for
-   the ``CompletionRequest`` it queues (:func:`hand_to_generation`);
+2. ``APIHandler.handle_completion(request)``: the same options go with the
+   ``CompletionRequest`` it queues (:func:`hand_to_generation`), as its one
+   attribute the plugin sets on a foreign object: in distributed serving,
+   rank 0 shares the request with the other ranks by pickling it, and each
+   rank's rows must draft alike;
 3. generation thread, ``ResponseGenerator._tokenize(request)``, which runs
    right before the request joins the batch or is served alone: its
    options and prompt are *admitted* (:func:`admit`);
@@ -89,13 +92,15 @@ USAGE_ACCEPTED = "accepted_draft_tokens"
 _states: Attached[Optional["SuffixServing"]] = Attached()
 _entries: Attached["ModelEntry"] = Attached()
 _handler_options: Attached[RequestOptions] = Attached()
-_request_options: Attached[RequestOptions] = Attached()
 _taken: Attached["weakref.WeakSet"] = Attached()
 _generating: Attached[bool] = Attached()
 # A request's record for the metrics (by its handler and by its
 # CompletionRequest), and the HTTP status a handler last sent.
 _records: Attached["RequestRecord"] = Attached()
 _statuses: Attached[int] = Attached()
+# The options a CompletionRequest carries to the generation thread, every
+# rank's (see "A request's way").
+_OPTIONS_ATTR = "_mlx_lm_suffix_options"
 
 
 # ------------------------------------------------------------------ state
@@ -694,7 +699,7 @@ def hand_to_generation(handler: Any, request: Any) -> bool:
     whether it has any (a suffix server's request)."""
     options = _handler_options.get(handler)
     if options is not None:
-        _request_options.set(request, options)
+        setattr(request, _OPTIONS_ATTR, options)
         record = _records.get(handler)
         if record is not None:
             _records.set(request, record)
@@ -785,7 +790,7 @@ def admit(cli_args: Any, request: Any, prompt: Sequence[int]) -> None:
         # Stock inserts it into the batch, whose ValueError ends the
         # generation thread; raised here, it fails this request only.
         raise ValueError("The prompt is empty: it encodes to no tokens.")
-    options = _request_options.get(request)
+    options = getattr(request, _OPTIONS_ATTR, None)
     prompt = list(prompt)
     _admitting.value = replace(options, prompt=prompt) if options is not None else None
 
