@@ -28,14 +28,11 @@ import contextlib
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
-
-if TYPE_CHECKING:
-    from .patches.serving import RequestRecord, SuffixServing
 
 logger = logging.getLogger("mlx_lm_suffix.metrics")
 
@@ -57,26 +54,29 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 
                 40.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
 
 
+#: Each loaded model's name and its drafter's snapshot
+#: (:meth:`~mlx_lm_suffix.drafter.SuffixDrafter.snapshot`).
+Snapshots = Callable[[], List[Tuple[str, Dict[str, Any]]]]
+
+
 class ServerMetrics:
-    """The metrics of one suffix server (``serving``).
+    """The metrics of one suffix server: its ``settings`` (policy, scope,
+    num_draft_tokens), its drafters' counts (``snapshots``), and what its
+    handlers observe.
 
     ``registry`` holds them all: the operator's. ``public`` is what
-    ``GET /metrics`` answers to anyone: all of them with the ``global``
-    cache scope (where every request drafts from every other's answers
-    anyway), else only :data:`PREFIX` ``_info`` (the settings): every
-    other metric counts all callers' traffic.
+    ``GET /metrics`` answers to anyone: all of them where ``shared`` (the
+    ``global`` cache scope, where every request drafts from every other's
+    answers anyway), else only :data:`PREFIX` ``_info`` (the settings):
+    every other metric counts all callers' traffic.
     """
 
-    def __init__(self, serving: "SuffixServing"):
-        self.serving = serving
+    def __init__(self, settings: Dict[str, str], shared: bool, snapshots: Snapshots):
+        self.snapshots = snapshots
         self.registry = CollectorRegistry()
-        info = {
-            "policy": str(getattr(serving.cli_args, "suffix_policy", "")),
-            "scope": "header" if serving.scope.startswith("header:") else serving.scope,
-            "num_draft_tokens": str(serving.num_draft_tokens),
-        }
+        info = dict(settings)
         Info(PREFIX, "Settings of this mlx-lm-suffix server", registry=self.registry).info(info)
-        if serving.scope == "global":
+        if shared:
             self.public = self.registry
         else:
             self.public = CollectorRegistry()
@@ -100,7 +100,7 @@ class ServerMetrics:
                                 ["model", "finish_reason"], registry=r)
         self.http = Counter(f"{PREFIX}_http_requests", "Completion requests by HTTP status",
                             ["endpoint", "status"], registry=r)
-        r.register(_DrafterCollector(serving))
+        r.register(_DrafterCollector(snapshots))
 
     def exposition(self, accept: Optional[str], public: bool = True) -> Tuple[bytes, str]:
         """The body and content type of a scrape (``accept``: the request's
@@ -108,12 +108,12 @@ class ServerMetrics:
         encoder, content_type = choose_encoder(accept or "")
         return encoder(self.public if public else self.registry), content_type
 
-    def observe(self, endpoint: str, status: Optional[int], info: Optional["RequestRecord"],
+    def observe(self, endpoint: str, status: Optional[int], info: Any,
                 started: float, outcome: Optional[str]) -> None:
         """A completion POST was answered with HTTP ``status`` (None: none
         sent), ``started`` (``time.perf_counter()``) when its handler began.
-        ``info``: the request's suffix info, whose ``model`` is set once it
-        began generating; ``outcome``: "error" or "abort" where an
+        ``info``: the request's record (``serving.RequestRecord``), whose
+        ``model`` is set once it began generating; ``outcome``: "error" or "abort" where an
         exception ended its answer."""
         endpoint = endpoint if endpoint in ENDPOINTS else "other"
         self.http.labels(endpoint, str(status) if status is not None else "none").inc()
@@ -153,7 +153,7 @@ class ServerMetrics:
         then = time.monotonic()
         while not stop.wait(interval):
             now = time.monotonic()
-            for name, snap in self.serving.drafter_snapshots():
+            for name, snap in self.snapshots():
                 # (A model loaded since the last line counts from zero.)
                 line = log_line(last.get(name, _NOTHING), snap, now - then)
                 if line is not None:
@@ -205,8 +205,8 @@ class _DrafterCollector:
         "cached_tokens": ("cache_tokens", "Tokens of earlier responses in the global cache"),
     }
 
-    def __init__(self, serving: "SuffixServing"):
-        self.serving = serving
+    def __init__(self, snapshots: Snapshots):
+        self.snapshots = snapshots
 
     def collect(self) -> Iterator[Any]:
         by_source = {k: CounterMetricFamily(f"{PREFIX}_{n}", h, labels=["model", "source"])
@@ -219,7 +219,7 @@ class _DrafterCollector:
                     for k, (n, h) in self.COUNTERS.items()}
         gauges = {k: GaugeMetricFamily(f"{PREFIX}_{n}", h, labels=["model"])
                   for k, (n, h) in self.GAUGES.items()}
-        for name, snap in self.serving.drafter_snapshots():
+        for name, snap in self.snapshots():
             for key, family in by_source.items():
                 for source, n in snap[key].items():
                     family.add_metric([name, source], n)

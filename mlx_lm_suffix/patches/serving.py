@@ -161,7 +161,11 @@ class SuffixServing:
         self.entries: Dict[Tuple[Any, ...], ModelEntry] = {}
         # The generation thread's request queue (ResponseGenerator.requests).
         self.requests: Any = None
-        self.metrics = ServerMetrics(self)
+        self.metrics = ServerMetrics({
+            "policy": str(getattr(cli_args, "suffix_policy", "")),
+            "scope": "header" if self.scope.startswith(HEADER_SCOPE) else self.scope,
+            "num_draft_tokens": str(self.num_draft_tokens),
+        }, self.scope == "global", self.drafter_snapshots)
 
     def requests_waiting(self) -> bool:
         """Whether requests wait in the server's queue, not yet taken by the
