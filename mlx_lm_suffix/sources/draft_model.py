@@ -76,6 +76,9 @@ class Paired:
                  ) -> mx.array:
         if cache is None:
             return self.target(inputs, **kwargs)
+        if not self.pairs(cache):
+            raise ValueError(f"a cache of the target and its draft model has "
+                             f"{self.target_entries + 1} entries, not {len(cache)}")
         logits = self.target(inputs, cache=cache[:-1], **kwargs)
         self._last[cache[-1]] = self.draft(inputs, cache=list(cache[-1].caches))[:, -1]
         return logits
