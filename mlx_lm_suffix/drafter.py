@@ -189,7 +189,8 @@ class SuffixDrafter:
         return self._trees.kept.tokens
 
     def config(self) -> Dict[str, Any]:
-        """The drafter's knobs as a dict (JSON-serialisable)."""
+        """The drafter's knobs as a dict (JSON-serialisable; a drafter made
+        with them has the same knobs, but no draft model)."""
         return {
             "num_draft_tokens": self.num_draft_tokens,
             "max_tree_depth": self.max_tree_depth,
@@ -199,7 +200,6 @@ class SuffixDrafter:
             "max_spec_offset": self.max_spec_offset,
             "min_token_prob": self.min_token_prob,
             "policy": self.policy.name,
-            "draft_model": self.draft_model is not None,
         }
 
     def snapshot(self) -> Dict[str, Any]:

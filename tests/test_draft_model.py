@@ -220,7 +220,7 @@ def test_server_with_a_draft_model_batches_and_equals_stock(tiny_model_path, ser
         drafted = sum(u.model_extra["draft_tokens_by_source"].get("model", 0) for u in usage)
         model = stats["models"][0]
         assert model["source_drafted"]["model"] == drafted
-        assert model["limits"]["draft_model"] is True
+        assert model["draft_model"] is True
         assert _chat(x, texts[0], seed=5)[:2] == seeded
     finally:
         stock.stop()

@@ -431,7 +431,7 @@ TRAFFIC = ("drafted", "accepted", "tokens", "steps", "requests", "active_request
            "cached_requests", "cached_tokens", "tree_responses", "acceptance_rate",
            "tokens_per_step")
 # What a model's entry shows where tenants are isolated.
-MODEL_SETTINGS = {"model", "drafting", "limits", "batch", "cache_file"}
+MODEL_SETTINGS = {"model", "drafting", "draft_model", "limits", "batch", "cache_file"}
 
 
 def assert_no_traffic_counters(stats):

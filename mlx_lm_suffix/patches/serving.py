@@ -304,7 +304,9 @@ class SuffixServing:
         with self._lock:
             entries = list(self.entries.values())
         for e in entries:
-            m: Dict[str, Any] = {"model": e.name, "drafting": e.drafter is not None}
+            m: Dict[str, Any] = {"model": e.name, "drafting": e.drafter is not None,
+                                 "draft_model": e.drafter is not None
+                                 and e.drafter.draft_model is not None}
             if e.drafter is not None:
                 m["limits"] = e.drafter.config()
                 if traffic:
