@@ -72,7 +72,7 @@ from .loop import context_limit
 from .policy.rules import Policy
 from .sources import Draft
 from .sources.draft_model import Paired
-from .speculation import RequestOptions, Row, accept, check, cut, plan
+from .speculation import RequestOptions, Row, accept, check, cut, plan, settles
 from .stats import BatchDraftStats
 
 __all__ = [
@@ -334,7 +334,7 @@ class SuffixGenerationBatch(GenerationBatch):
         rows, stats = self.rows, self.policy.stats
         _, drafts = plan(rows, self, False, budget)
         if not any(drafts):
-            self.phase = Phase.STEP
+            self.phase = Phase.SETTLED if settles(rows, self.policy) else Phase.STEP
             return []
         self.phase = Phase.SETTLED
         self.draft_stats.check_steps += 1

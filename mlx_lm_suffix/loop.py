@@ -42,7 +42,7 @@ from .policy.cost import scratch_vocabulary
 from .policy.rules import Policy
 from .sources import Draft
 from .sources.draft_model import Paired
-from .speculation import RequestOptions, Row, accept, check, plan_row, resting
+from .speculation import RequestOptions, Row, accept, check, plan_row, resting, settles
 
 Pending = Tuple[mx.array, mx.array]  # (token of shape [1], logprobs of shape [1, V])
 Emitted = Tuple[int, mx.array, bool]  # (token, logprobs, from_draft), as yielded
@@ -193,7 +193,7 @@ def decode(target: Target, row: Row) -> Generator[None, None, None]:
     next, goes to the drafter's stats (:meth:`~mlx_lm_suffix.stats.
     DraftStats.waited`), which the policy prices."""
     stats = target.policy.stats
-    settled = False
+    settled = settles((row,), target.policy)
     while row.emitted < row.max_tokens:
         early = None
         if settled:
@@ -215,7 +215,7 @@ def decode(target: Target, row: Row) -> Generator[None, None, None]:
             continue
         _, draft = plan_row(row, target, False, proposed=early)
         if not draft:
-            settled = False
+            settled = settles((row,), target.policy)
             continue
         token = target.pending()  # (waits for the plain forward)
         since = time.perf_counter()

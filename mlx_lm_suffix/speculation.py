@@ -534,6 +534,19 @@ def _model_drafts(rows: Sequence[Row], drafts: List[Draft], asking: List[int], c
             drafts[i] = d
 
 
+def settles(rows: Sequence[Row], policy: Policy) -> bool:
+    """Whether the rows' next step drafts after their pending tokens though
+    this one drafted nothing: where a row may draft from a draft model and
+    the policy would run it there (a draft model's first token is its
+    surest; in a pipelined step the plain forward would check it, a
+    forward more for the same tokens, so it drafts in settled steps only)."""
+    asking = [r for r in rows if r.model and r.req is not None]
+    if not asking:
+        return False
+    rates = [policy.model_rate(r.trust) for r in asking]
+    return policy.model_steps(rates, len(rows), False, max(r.num_draft_tokens for r in asking)) > 0
+
+
 def resting(rows: Sequence[Row]) -> bool:
     """Whether every row skips proposing this step (then, in one process,
     the step proposes and prices nothing: each row counts a skip)."""

@@ -13,9 +13,11 @@ from test_families import _assert_cache_is_fresh_prefill, _prompts
 
 from mlx_lm_suffix import SuffixDrafter
 from mlx_lm_suffix.batch import SuffixBatchGenerator
-from mlx_lm_suffix.loop import suffix_generate_step
+from mlx_lm_suffix.loop import decode, suffix_generate_step
 from mlx_lm_suffix.policy import VerifyCost
 from mlx_lm_suffix.sources.draft_model import DraftModel, Paired
+from mlx_lm_suffix.speculation import Row
+from mlx_lm_suffix.tools import simulate
 from mlx_lm_suffix.tools.models import FAMILIES
 
 MAX_TOKENS = 24
@@ -269,3 +271,62 @@ def test_seeded_sampling_with_a_draft_model_is_stocks(tiny_family_path):
                                                  max_tokens=MAX_TOKENS, sampler=sampler)]
     assert out == ref
     assert drafter.stats.source_accepted.get("model", 0) > 0
+
+
+# ------------------------------------------------------ replayed choices
+class _Foreseeing(simulate.Replay):
+    """A replay whose draft model drafts the response's next tokens (each
+    with estimate 0.9), its forwards free."""
+
+    def model_draft(self, steps: int, settled: bool, contexts: Any
+                    ) -> Tuple[List[List[int]], List[List[float]], float]:
+        start = self.at + (1 if settled else 0)
+        tokens = self.response[start : start + steps]
+        return [tokens + [-2] * (steps - len(tokens))], [[0.9] * steps], 0.0
+
+
+def _replay_with_model(credit: Optional[float] = None) -> Tuple[SuffixDrafter, List[str]]:
+    """A new text (nothing in it repeats) replayed through an adaptive
+    drafter with a draft model that foresees it, where a verification of
+    ``n`` tokens costs ``1 + 0.1 (n - 1)`` plain steps and a draft forward a
+    tenth of one; ``credit``: the request's, set before it starts. Returns
+    the drafter and the forwards' kinds in order."""
+    cost = lambda n: 1.0 + 0.1 * n  # noqa: E731
+    step = 0.05
+    drafter = SuffixDrafter(cost=VerifyCost({n: cost(n - 1) * step for n in (1, 2, 4, 8, 16)}),
+                            draft_model=DraftModel(None))
+    drafter.policy.draft_cost = VerifyCost({1: 0.1 * step}, smoothing=0)
+    prompt, response = list(range(100, 140)), list(range(500, 600))
+    req = drafter.start(prompt)
+    row = Row(drafter, req, drafter.num_draft_tokens, len(response))
+    row.model = True
+    if credit is not None:
+        row.trust.credit = credit
+    target = _Foreseeing(row, response, drafter.policy, cost, step)
+    kinds = []
+    plain, verify = target.plain, target.verify
+    target.plain = lambda: (kinds.append("plain"), plain())[1]  # type: ignore[method-assign]
+    target.verify = lambda t: (kinds.append("verify"), verify(t))[1]  # type: ignore[method-assign]
+    for _ in decode(target, row):
+        pass
+    row.finish()
+    assert target.at == len(response)
+    return drafter, kinds
+
+
+def test_a_row_with_a_draft_model_drafts_after_its_pending_token():
+    """Where the policy runs the draft model, a row with nothing else to
+    draft drafts from it after its pending token from its first step on: it
+    takes no plain forward (a pipelined step would check the model's
+    surest token with a forward of its own)."""
+    drafter, kinds = _replay_with_model()
+    assert kinds and "plain" not in kinds
+    assert drafter.stats.source_accepted["model"] >= 0.7 * 100
+
+
+def test_draft_model_drafts_are_verified_whatever_the_requests_credit():
+    """A request whose credit a failed draft spent still verifies the draft
+    model's drafts (their length is priced with the draft forwards; the
+    credit bounds the trees' long drafts)."""
+    drafter, _ = _replay_with_model(credit=-10.0)
+    assert drafter.stats.source_accepted["model"] >= 0.7 * 100

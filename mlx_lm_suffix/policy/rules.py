@@ -147,7 +147,7 @@ class Policy:
                                  self.wait_s)
             n = chosen if budget is not None else self._explore(chosen, n)
             trust = getattr(draft, "trust", None)
-            if trust is not None:
+            if trust is not None and draft.source != "model":
                 n = self.affordable(n, trust.credit, pipelined, replay)
         return 0 if pipelined and n < 2 else n
 
@@ -161,7 +161,11 @@ class Policy:
         ``replay`` the forward that feeds that token again. The forward is
         priced at the most it may cost (:meth:`VerifyCost.most`): past the
         widest forward measured, the curve is a guess, and the credit bounds
-        a loss, not an expectation."""
+        a loss, not an expectation. A draft model's drafts are not bound
+        by it: their length is chosen with the draft forwards priced and
+        the request's own rate of its tokens (:meth:`model_steps`), short,
+        and a request whose credit a long failed draft of the trees spent
+        would otherwise verify none of them again."""
         c1 = self.cost(1)
         lost = self.wait_s + (c1 if replay else 0.0)
         lo, hi = 0, n  # (the most a forward costs grows with its tokens: halve)
