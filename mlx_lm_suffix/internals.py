@@ -17,7 +17,7 @@ functions they wrap as data and are checked alike.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Generic, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Generic, List, Optional, Tuple, TypeVar
 
 import mlx.core as mx
 
@@ -183,6 +183,41 @@ def model_key(provider: Any, model: Any, adapter: Any, draft: Any = "default_mod
     except (AttributeError, TypeError):
         return None
     return (model, adapter, draft)
+
+
+# mlx-lm 0.32.2 main() -> run() serves HTTP through the module global
+# _run_http_server(host, port, response_generator, server_class,
+# handler_class) (compat checks its parameters, and that run looks it up).
+def serve_http_with(server_class: Any) -> None:
+    """``mlx_lm.server``'s HTTP server is made of ``server_class`` from now
+    on, where no other class is passed (the bench's stock servers listen as
+    a suffix server does)."""
+    import mlx_lm.server as server
+
+    run_http = server._run_http_server
+
+    def run_http_server(*args: Any, **kwargs: Any) -> Any:
+        return run_http(*args, **{"server_class": server_class, **kwargs})
+
+    server._run_http_server = run_http_server
+
+
+# mlx-lm 0.32.2 _make_logits_processors(args): the module global that
+# ResponseGenerator calls once per request, on its batched path
+# (_generate) and its single one (_serve_single) (compat checks both look
+# it up, and its parameters).
+def add_logits_processors(extra: Callable[[Any], List[Any]]) -> None:
+    """Every request ``mlx_lm.server`` serves from now on gets
+    ``extra(args)``'s logits processors after its own (``args``: the
+    request's generation arguments)."""
+    import mlx_lm.server as server
+
+    stock = server._make_logits_processors
+
+    def make(args: Any) -> List[Any]:
+        return list(stock(args) or []) + list(extra(args))
+
+    server._make_logits_processors = make
 
 
 def merge_caches(caches: List[List[Any]]) -> List[Any]:

@@ -146,6 +146,20 @@ class RequestRecord:
         return self.options.usage
 
 
+#: Called with each drafter a server gives a draft model, once it has it
+#: (``drafter.draft_model``): where a tool scripts a draft model's tokens
+#: (the bench sets its :data:`~mlx_lm_suffix.sources.draft_model.Guide`).
+DRAFTER_HOOKS: List[Callable[[Any], None]] = []
+
+
+def give_draft_model(drafter: Any, draft_model: Any) -> None:
+    """``drafter`` drafts with ``draft_model`` (a :class:`~mlx_lm_suffix.
+    sources.draft_model.DraftModel`); then :data:`DRAFTER_HOOKS` run."""
+    drafter.draft_model = draft_model
+    for hook in DRAFTER_HOOKS:
+        hook(drafter)
+
+
 class SuffixServing:
     """State of one ``mlx_lm.server --draft suffix``."""
 
@@ -195,7 +209,7 @@ class SuffixServing:
                 if rollback.supports(cache):
                     drafter = drafter_from_args(self.cli_args)
                     if draft is not None:
-                        drafter.draft_model = DraftModel(draft)
+                        give_draft_model(drafter, DraftModel(draft))
                         model = drafter.draft_model.pair(model)
                         cache = make_prompt_cache(model)
                     # At load, not in a request:
@@ -227,7 +241,7 @@ class SuffixServing:
                 self.entries[key] = entry
             elif draft is not None and entry.drafter is not None:
                 # The same models loaded again (new modules): a new pairing.
-                entry.drafter.draft_model = DraftModel(draft)
+                give_draft_model(entry.drafter, DraftModel(draft))
                 model = entry.drafter.draft_model.pair(model)
             entry.served = model
             _entries.set(model, entry)

@@ -94,6 +94,8 @@ SERVE_MAIN = (
 BLAS_ENV = "MLX_LM_SUFFIX_BLAS"
 INPROCESS_ARMS = (
     "stock",
+    "stock-draft",
+    "suffix-draft",
     "suffix-cold",
     "suffix-warm",
     "oracle",
@@ -102,12 +104,27 @@ INPROCESS_ARMS = (
     "suffix-warm-fixed",
 )
 DEFAULT_ARMS = ("stock", "suffix-cold", "suffix-warm", "oracle")
+#: Arms with a draft model (``--draft-model``): stock mlx-lm's speculative
+#: decoding with it, and a fresh drafter with it beside the trees.
+DRAFT_ARMS = ("stock-draft", "suffix-draft")
+#: The default arms with a draft model.
+DEFAULT_DRAFT_ARMS = ("stock", "stock-draft", "suffix-cold", "suffix-draft")
+#: Stock's draft tokens a round (mlx-lm's ``--num-draft-tokens`` default).
+STOCK_DRAFT_TOKENS = 3
+#: The scripted draft model's default agreement with the target.
+DRAFT_AGREEMENT = 0.75
+#: ``--draft-model`` names of the local random-weight models.
+LOCAL_SIZES = ("tiny", "mini", "small", "bench")
 #: A drafter arm's cost figures kept for every repetition (``costs_per_rep``),
 #: each repetition's drafter being fresh: what a replay needs to run as it ran.
 REP_COSTS = ("calibrated_cost", "calibrated_step_s", "verify_cost", "plain_step_s",
              "idle_s_per_wait")
 SERVER_ARMS = ("server-stock", "server-stock-warm", "server-suffix-cold", "server-suffix-warm")
 SERVER_FIXED_ARMS = ("server-suffix-cold-fixed", "server-suffix-warm-fixed")
+#: Server arms with ``--draft-model``: a stock server with it (one request at
+#: a time; its first pass only), a fresh ``--draft suffix`` server with it
+#: (first and second pass).
+SERVER_DRAFT_ARMS = ("server-stock-draft", "server-suffix-draft-cold", "server-suffix-draft-warm")
 USAGE_DRAFTED = "draft_tokens"
 USAGE_ACCEPTED = "accepted_draft_tokens"
 # Tokens at the end of a prompt that identify it in a scripted processor.
@@ -259,13 +276,24 @@ class ScriptedProcessor:
 
     def target(self, context: Sequence[int]) -> Optional[int]:
         """The token the script wants after ``context``, or None."""
+        found = self.locate(context)
+        if found is None:
+            return None
+        p, _, ref = found
+        done = len(context) - p
+        return ref[done] if done < len(ref) else self.eos_id
+
+    def locate(self, context: Sequence[int]) -> Optional[Tuple[int, int, List[int]]]:
+        """Where ``context`` follows an entry: ``(p, a, reference)``, the
+        answer starting at ``context[p]`` after the entry's anchor of ``a``
+        tokens, ``context[p:]`` a prefix of the reference; or None."""
         n = len(context)
         if self._last is not None:  # fast path: the match of the previous call
             p, a, ref = self._last
             done = context[p:]
             if p <= n and len(done) <= len(ref) and tuple(context[p - a : p]) in self._by_anchor:
                 if list(ref[: len(done)]) == list(done):
-                    return ref[len(done)] if len(done) < len(ref) else self.eos_id
+                    return self._last
         lo = max(0, n - self._max_ref - 1)
         for p in range(n, lo - 1, -1):  # p: where the generated part starts
             for a in self._lens:
@@ -278,8 +306,20 @@ class ScriptedProcessor:
                 for ref in refs:
                     if len(done) <= len(ref) and list(ref[: len(done)]) == list(done):
                         self._last = (p, a, ref)
-                        return ref[len(done)] if len(done) < len(ref) else self.eos_id
+                        return self._last
         return None
+
+    def expect(self, prompt_ids: Sequence[int], start: int) -> Optional[List[int]]:
+        """The contexts this processor is given from now on begin ``start``
+        tokens before the answer to ``prompt_ids`` (stock's speculative
+        decoding hands its processors the prompt's last token and what
+        follows: ``start=1``): they are followed by their length alone.
+        Returns the reference (None: no entry's prompt; nothing changes)."""
+        found = self.locate([int(t) for t in prompt_ids])
+        if found is None:
+            return None
+        self._last = (start, 0, found[2])
+        return found[2]
 
     def __call__(self, tokens: Any, logits: Any) -> Any:
         import mlx.core as mx
@@ -307,6 +347,257 @@ def _token_list(tokens: Any) -> List[int]:
     return context
 
 
+# -------------------------------------------------------- scripted draft
+#: Seed of the scripted draft model's agreement rule: the same for every
+#: arm, every run and every process.
+AGREEMENT_SEED = 0x5EED_D8AF
+#: How far below the scripted draft token every other token of the wrapped
+#: draft model's logits lies (:class:`ScriptedDraft`): far more than the
+#: target's :data:`BIAS`, which stock's speculative decoding adds to the
+#: draft's logits too (its processors run on both models' logits).
+DRAFT_MARGIN = 1.0e9
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(i: int, t: int) -> int:
+    """A 64-bit hash of ``(i, t)`` (splitmix64's finaliser over both and
+    :data:`AGREEMENT_SEED`): stable across processes, unlike ``hash``."""
+    x = (i * 0x9E3779B97F4A7C15 + t * 0xC2B2AE3D27D4EB4F + AGREEMENT_SEED) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class DraftScript:
+    """A scripted draft model's agreement with the scripted target.
+
+    Where the target's script wants token ``t`` at position ``i`` of an
+    answer (``i = 0`` its first token; the reference's end wants EOS), the
+    draft model proposes ``t`` unless :meth:`token` marks the pair wrong: a
+    seeded hash of ``(i, t)`` below ``1 - agreement``, so a fraction
+    ``1 - agreement`` of positions, the same ones for every arm and every
+    run; then it proposes another fixed token (never ``t``, never EOS).
+    Two arms that draft with it see drafts of the same quality at the same
+    positions: stock's speculative decoding through :class:`ScriptedDraft`,
+    the plugin's :class:`~mlx_lm_suffix.sources.draft_model.DraftModel`
+    through :meth:`guide`. Off the script (after a wrong token) the guide
+    names nothing (the draft model's own greedy token)."""
+
+    #: Tokens of a context's head that key the answers found before.
+    KEY = 16
+
+    def __init__(self, entries: Sequence[Tuple[Sequence[int], Sequence[int]]], eos_id: int,
+                 agreement: float, vocab_size: int, anchor: int = ANCHOR_TOKENS):
+        if not 0.0 <= agreement <= 1.0:
+            raise ValueError(f"agreement must be in [0, 1], got {agreement}")
+        self.agreement = float(agreement)
+        self.eos_id = int(eos_id)
+        self.vocab_size = int(vocab_size)
+        self._locator = ScriptedProcessor(entries, eos_id, anchor)
+        self._known: Dict[Tuple[int, ...], List[Tuple[int, Tuple[int, ...], List[int]]]] = {}
+
+    def agrees(self, i: int, t: int) -> bool:
+        """Whether the draft model proposes the target's ``t`` at answer
+        position ``i``."""
+        return (_mix(i, t) >> 11) / float(1 << 53) < self.agreement
+
+    def token(self, i: int, t: int) -> int:
+        """The draft model's token at answer position ``i`` where the
+        target wants ``t``."""
+        if self.agrees(i, t):
+            return t
+        wrong = (t + 1 + _mix(t, i) % (self.vocab_size - 1)) % self.vocab_size
+        if wrong == self.eos_id:
+            wrong = (wrong + 1) % self.vocab_size
+            wrong = wrong if wrong != t else (wrong + 1) % self.vocab_size
+        return wrong
+
+    def wants(self, i: int, reference: Sequence[int]) -> Optional[int]:
+        """The target's token at answer position ``i`` (EOS just after the
+        reference; None past it)."""
+        return reference[i] if i < len(reference) else self.eos_id if i == len(reference) else None
+
+    def position(self, context: Sequence[int]) -> Optional[Tuple[int, List[int]]]:
+        """``(i, reference)``: the context ends ``i`` tokens into the answer
+        to a scripted prompt, on the script; None elsewhere (a context whose
+        answer left the script costs one comparison: its prompt is known)."""
+        key = tuple(context[: self.KEY])
+        n = len(context)
+        for p, anchor, ref in self._known.get(key, ()):
+            if p <= n and tuple(context[p - len(anchor) : p]) == anchor:
+                done = n - p
+                if done <= len(ref) and list(context[p:]) == ref[:done]:
+                    return done, ref
+                return None  # this prompt's answer, off the script
+        found = self._locator.locate(context)
+        if found is None:
+            return None
+        p, a, ref = found
+        self._known.setdefault(key, []).append((p, tuple(context[p - a : p]), ref))
+        return n - p, ref
+
+    def guide(self, context: Sequence[int]) -> Optional[Tuple[int, float]]:
+        """A :data:`~mlx_lm_suffix.sources.draft_model.Guide`: the scripted
+        token after ``context`` and, as its estimate, the agreement (the
+        chance that a token so proposed is the target's: calibrated on
+        average, as a real draft model's would be, and no surer where it is
+        wrong)."""
+        found = self.position(context)
+        if found is None:
+            return None
+        i, ref = found
+        want = self.wants(i, ref)
+        return None if want is None else (self.token(i, want), self.agreement)
+
+
+def _fed(cache: Sequence[Any]) -> Optional[int]:
+    """The positions a (single sequence's) cache list holds."""
+    for c in cache:
+        offset = getattr(c, "offset", None)
+        if isinstance(offset, int):
+            return offset
+    return None
+
+
+class ScriptedDraft:
+    """A draft model for stock mlx-lm's speculative decoding whose greedy
+    tokens follow a :class:`DraftScript` (``script``; None: its own).
+
+    It runs the real model's forward (its cost is what is measured), then
+    puts every token but the scripted one :data:`DRAFT_MARGIN` below it in
+    the last position's logits, which still depend on the forward. A
+    position is counted from the draft cache's offset when the generation
+    began (its first call: after the prompt's uncached tokens, the answer),
+    so it stays right after stock trims the cache on a rejection, and where
+    a stock server's cached prefix left the draft cache a token short of
+    the target's (seen with mlx-lm 0.32.2: the draft model's own cache,
+    which stock leaves so, whatever the script). The request is
+    told by :meth:`expect`. Anything else is the model's (``layers``,
+    ``args``, ``make_cache``)."""
+
+    def __init__(self, model: Any, script: Optional[DraftScript] = None):
+        self.model = model
+        self.script = script
+        self._answer: Optional[Tuple[int, List[int]]] = None
+        self._start: Optional[int] = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def expect(self, fed: int, reference_ids: Optional[Sequence[int]]) -> None:
+        """The next generation feeds ``fed`` tokens (the prompt, less a
+        cached prefix) and answers them with ``reference_ids`` (None: not
+        scripted)."""
+        self._answer = None if reference_ids is None else (fed, [int(t) for t in reference_ids])
+        self._start = None
+
+    def __call__(self, inputs: Any, cache: Optional[List[Any]] = None, **kwargs: Any) -> Any:
+        logits = self.model(inputs, cache=cache, **kwargs)
+        if self.script is None or self._answer is None or not cache:
+            return logits
+        offset = _fed(cache)
+        if offset is None:
+            return logits
+        if self._start is None:
+            self._start = offset - inputs.shape[-1]
+        fed, ref = self._answer
+        i = offset - self._start - fed
+        want = None if i < 0 else self.script.wants(i, ref)
+        if want is None:
+            return logits
+        import mlx.core as mx
+
+        tok = self.script.token(i, want)
+        return mx.where(mx.arange(logits.shape[-1]) == tok, logits, logits - DRAFT_MARGIN)
+
+
+def stock_draft_counts(from_draft: Sequence[bool], num_draft_tokens: int, max_tokens: int
+                       ) -> Tuple[int, int, int]:
+    """``(drafted, accepted, rejected)`` of a stock speculative generation
+    from its responses' ``from_draft`` flags (mlx-lm 0.32
+    ``speculative_generate_step``: each round drafts ``min(max_tokens -
+    generated, num_draft_tokens)`` tokens, yields the accepted ones, then
+    the target's own token unless ``max_tokens`` is reached; a round that
+    yields fewer than it drafted rejected one). A generation cut short (at
+    EOS) counts its last round as far as it went."""
+    drafted = accepted = rejected = 0
+    i, n, total = 0, 0, len(from_draft)
+    while i < total:
+        k = min(max_tokens - n, num_draft_tokens)
+        held = 0
+        while i < total and from_draft[i] and held < k:
+            held, i, n = held + 1, i + 1, n + 1
+        drafted, accepted = drafted + k, accepted + held
+        if i < total:  # the target's own token
+            rejected += held < k
+            i, n = i + 1, n + 1
+    return drafted, accepted, rejected
+
+
+class DraftCounts:
+    """Draft tokens verified, accepted and drafts with a rejected token,
+    per source (``model``, ``tree``, ``copy``): what the bench reports as
+    a draft arm's acceptance (accepted / drafted) and agreement (accepted /
+    (accepted + rejected): the chance that a draft token is accepted once
+    every one before it was, the :class:`DraftScript`'s agreement)."""
+
+    def __init__(self) -> None:
+        self.by_source: Dict[str, Dict[str, int]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, source: str, drafted: int = 0, accepted: int = 0, rejected: int = 0) -> None:
+        with self._lock:
+            c = self.by_source.setdefault(source, {"drafted": 0, "accepted": 0, "rejected": 0})
+            c["drafted"] += drafted
+            c["accepted"] += accepted
+            c["rejected"] += rejected
+
+    def snapshot(self) -> Dict[str, Dict[str, int]]:
+        with self._lock:
+            return {k: dict(v) for k, v in self.by_source.items()}
+
+    def counting(self, record: Callable[..., None]) -> Callable[..., None]:
+        """A drafter's bound ``record`` (:meth:`~mlx_lm_suffix.drafter.
+        SuffixDrafter.record`, the one writer of its counts) that also
+        counts here: a verified draft whose tokens did not all hold
+        (``held < drafted``) had one rejected."""
+        def counted(steps: int = 0, drafted: int = 0, accepted: int = 0, draft: Any = None,
+                    held: Optional[int] = None, host_s: float = 0.0, replayed: Optional[int] = None,
+                    source: str = "tree", last: int = 0) -> None:
+            record(steps, drafted, accepted, draft, held, host_s, replayed, source, last)
+            if drafted and draft is not None:
+                self.add(draft.source, drafted=drafted,
+                         rejected=int(held is not None and held < drafted))
+            if accepted:
+                self.add(source, accepted=accepted)
+        counted.counted = True  # type: ignore[attr-defined]
+        return counted
+
+
+def counts_delta(after: Dict[str, Dict[str, int]], before: Dict[str, Dict[str, int]]
+                 ) -> Dict[str, Dict[str, int]]:
+    """Per source, ``after``'s counts less ``before``'s."""
+    return {s: {k: v - before.get(s, {}).get(k, 0) for k, v in c.items()} for s, c in after.items()}
+
+
+def model_figures(counts: Optional[Dict[str, int]]) -> Dict[str, Any]:
+    """A draft model's counts as the report's figures: ``model_drafted``,
+    ``model_accepted``, ``model_rejected``, ``model_acceptance`` (accepted /
+    drafted) and ``model_agreement`` (accepted / (accepted + rejected)); all
+    None without counts."""
+    if counts is None:
+        return dict.fromkeys(("model_drafted", "model_accepted", "model_rejected",
+                              "model_acceptance", "model_agreement"))
+    d, a, r = counts.get("drafted", 0), counts.get("accepted", 0), counts.get("rejected")
+    return {
+        "model_drafted": d,
+        "model_accepted": a,
+        "model_rejected": r,
+        "model_acceptance": a / d if d else None,
+        "model_agreement": a / (a + r) if r is not None and a + r else None,
+    }
+
+
 def write_script(path: str | os.PathLike, requests: Sequence[Request]) -> Path:
     """Write the script JSONL that :func:`serve_main` reads."""
     path = Path(path)
@@ -323,10 +614,12 @@ def read_script(path: str | os.PathLike) -> List[Tuple[List[int], List[int]]]:
 
 def serve_main(argv: Optional[List[str]] = None) -> None:
     """``mlx_lm.server``'s main with scripted targets: every request's logits
-    processors get a :class:`ScriptedProcessor` over ``$MLX_LM_SUFFIX_SCRIPT``.
-
-    Hooks ``mlx_lm.server._make_logits_processors`` (mlx-lm 0.32.2), which the
-    server calls once per request on both its single and batched paths.
+    processors get a :class:`ScriptedProcessor` over ``$MLX_LM_SUFFIX_SCRIPT``
+    (:func:`~mlx_lm_suffix.internals.add_logits_processors`, on the
+    server's single and batched paths). With ``$MLX_LM_SUFFIX_DRAFT_COUNTS``
+    a draft model's counts are written there and, with
+    ``$MLX_LM_SUFFIX_DRAFT_AGREEMENT`` too, its tokens scripted
+    (:func:`serve_draft_models`).
     A stock server listens with the suffix server's backlog
     (:class:`~mlx_lm_suffix.patches.server.ListeningServer`): stock's 5 makes
     clients beyond the sixth that connect at once wait a second, which would
@@ -334,24 +627,145 @@ def serve_main(argv: Optional[List[str]] = None) -> None:
     """
     import mlx_lm.server as server
 
+    from .. import internals
     from ..patches.server import ListeningServer
 
-    run_http = server._run_http_server
-    server._run_http_server = lambda *a, **k: run_http(*a, **{"server_class": ListeningServer, **k})
-
+    internals.serve_http_with(ListeningServer)
     script = os.environ.get(SCRIPT_ENV)
-    if script:
-        entries = read_script(script)
-        eos = int(os.environ.get("MLX_LM_SUFFIX_SCRIPT_EOS", "2"))
-        stock = server._make_logits_processors
-
-        def make(args):
-            return list(stock(args) or []) + [ScriptedProcessor(entries, eos)]
-
-        server._make_logits_processors = make
+    entries = read_script(script) if script else None
+    eos = int(os.environ.get("MLX_LM_SUFFIX_SCRIPT_EOS", "2"))
+    if entries:
+        internals.add_logits_processors(lambda args: [ScriptedProcessor(entries, eos)])
+    counts = os.environ.get(DRAFT_COUNTS_ENV)
+    if counts:
+        agreement = os.environ.get(DRAFT_AGREEMENT_ENV)
+        serve_draft_models(counts, entries if agreement else None, eos,
+                           float(agreement) if agreement else DRAFT_AGREEMENT)
     if argv is not None:
         sys.argv = ["mlx_lm.server"] + argv
     server.main()
+
+
+#: Environment variables of :func:`serve_main`: where a server writes its
+#: draft model's counts (:class:`DraftCounts`, JSON), and the scripted
+#: draft model's agreement.
+DRAFT_COUNTS_ENV = "MLX_LM_SUFFIX_DRAFT_COUNTS"
+DRAFT_AGREEMENT_ENV = "MLX_LM_SUFFIX_DRAFT_AGREEMENT"
+#: Seconds between writes of a server's counts, and what a reader waits
+#: for the last write.
+COUNTS_INTERVAL = 0.1
+COUNTS_SETTLE = 0.35
+
+
+def serve_draft_models(counts_path: str, entries: Optional[List[Tuple[List[int], List[int]]]],
+                       eos_id: int, agreement: float) -> None:
+    """In this server process: count its draft model's drafts into
+    ``counts_path`` (rewritten every :data:`COUNTS_INTERVAL` seconds while
+    they change) and, with ``entries`` (the target's script), script its
+    tokens with ``agreement`` (:class:`DraftScript`).
+
+    A suffix server: every drafter given a draft model
+    (:data:`~mlx_lm_suffix.patches.serving.DRAFTER_HOOKS`) gets the script's
+    guide, and its counts are counted (:meth:`DraftCounts.counting`). A
+    stock server (``--draft-model`` alone, one request at a time through
+    ``stream_generate``): its draft model is wrapped in a
+    :class:`ScriptedDraft` once loaded (``ModelProvider.load``), and each
+    request's generation is told its whole prompt, which the server looks
+    its prompt cache up with (``LRUPromptCache.fetch_nearest_cache``, in
+    the same thread just before), and counted from its ``from_draft``
+    flags (:func:`stock_draft_counts`)."""
+    import mlx_lm.server as server
+    from mlx_lm.models.cache import LRUPromptCache
+
+    from ..patches import serving
+
+    counts = DraftCounts()
+
+    def script_for(draft: Any) -> Optional[DraftScript]:
+        return DraftScript(entries, eos_id, agreement, output_size(draft)) if entries else None
+
+    def on_drafter(drafter: SuffixDrafter) -> None:
+        dm = drafter.draft_model
+        dm.guide = getattr(script_for(dm.model), "guide", None)
+        if not getattr(drafter.record, "counted", False):
+            drafter.record = counts.counting(drafter.record)
+
+    serving.DRAFTER_HOOKS.append(on_drafter)
+
+    load = server.ModelProvider.load
+
+    def load_scripted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = load(self, *args, **kwargs)
+        draft = self.draft_model
+        if (draft is not None and not isinstance(draft, ScriptedDraft)
+                and serving.state_for(self.cli_args) is None):
+            self.draft_model = ScriptedDraft(draft, script_for(draft))
+        return out
+
+    server.ModelProvider.load = load_scripted
+    prompts = threading.local()
+    fetch = LRUPromptCache.fetch_nearest_cache
+
+    def fetch_noting(self: Any, model: Any, tokens: Any) -> Any:
+        prompts.value = list(tokens)
+        return fetch(self, model, tokens)
+
+    LRUPromptCache.fetch_nearest_cache = fetch_noting
+    stream = server.stream_generate
+
+    def stream_counted(*args: Any, **kwargs: Any) -> Any:
+        draft = kwargs.get("draft_model")
+        if not isinstance(draft, ScriptedDraft):
+            return stream(*args, **kwargs)
+        return _stock_draft_stream(stream, draft, getattr(prompts, "value", None), counts, args, kwargs)
+
+    server.stream_generate = stream_counted
+    threading.Thread(target=_write_counts, args=(counts, Path(counts_path)), daemon=True).start()
+
+
+def _stock_draft_stream(stream: Callable[..., Any], draft: ScriptedDraft, prompt: Optional[List[int]],
+                        counts: DraftCounts, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """A stock server's speculative generation of a request whose whole
+    prompt is ``prompt``: its scripted processors and draft model follow
+    the request's reference; its draft counts go to ``counts``."""
+    ref = None
+    for p in kwargs.get("logits_processors") or ():
+        if isinstance(p, ScriptedProcessor) and prompt is not None:
+            ref = p.expect(prompt, 1) or ref  # (contexts from the prompt's last token)
+    draft.expect(len(kwargs.get("prompt") or ()), ref)
+    flags: List[bool] = []
+    try:
+        for resp in stream(*args, **kwargs):
+            flags.append(bool(resp.from_draft))
+            yield resp
+    finally:
+        d, a, r = stock_draft_counts(flags, kwargs.get("num_draft_tokens") or STOCK_DRAFT_TOKENS,
+                                     kwargs.get("max_tokens", 256))
+        counts.add("model", d, a, r)
+
+
+def _write_counts(counts: DraftCounts, path: Path) -> None:
+    last = None
+    while True:
+        snap = counts.snapshot()
+        if snap != last:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(snap))
+            os.replace(tmp, path)
+            last = snap
+        time.sleep(COUNTS_INTERVAL)
+
+
+def read_counts(path: Optional[Path]) -> Dict[str, Dict[str, int]]:
+    """A server's draft counts (see :func:`serve_draft_models`), after
+    :data:`COUNTS_SETTLE` seconds for its last write; empty before any."""
+    if path is None:
+        return {}
+    time.sleep(COUNTS_SETTLE)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 # ---------------------------------------------------------------- oracle
@@ -413,6 +827,9 @@ class Sample:
     cached_tokens: Optional[int] = None
     #: The request's id (pairs it with another arm's sample of it).
     request: Optional[str] = None
+    #: A draft model's draft tokens verified, accepted, and its drafts with
+    #: a rejected token (``rejected`` None where not known), or None.
+    model_counts: Optional[Dict[str, Optional[int]]] = None
 
 
 def _peak_memory() -> Optional[int]:
@@ -442,16 +859,30 @@ def generate_one(
     scripted: bool,
     eos_id: int,
     num_draft_tokens: Optional[int] = None,
+    draft: Optional["ScriptedDraft"] = None,
+    counts: Optional[DraftCounts] = None,
 ) -> Tuple[Sample, List[int]]:
     """Generate one request with ``mlx_lm.stream_generate``; returns its
-    sample and output tokens."""
+    sample and output tokens. ``draft``: stock's speculative decoding with
+    this draft model (``num_draft_tokens`` a round; no ``drafter``);
+    ``counts``: the drafter's (:meth:`DraftCounts.counting`), whose
+    ``model`` source the sample reports."""
     import mlx_lm
 
     kwargs: Dict[str, Any] = {}
     if scripted:
-        kwargs["logits_processors"] = [
-            ScriptedProcessor([(req.prompt_ids, req.reference_ids)], eos_id)
-        ]
+        processor = ScriptedProcessor([(req.prompt_ids, req.reference_ids)], eos_id)
+        if draft is not None:
+            # Stock's speculative decoding hands its processors the
+            # prompt's last token and what follows.
+            processor.expect(req.prompt_ids, 1)
+        kwargs["logits_processors"] = [processor]
+    if draft is not None:
+        if drafter is not None:
+            raise ValueError("a stock draft model or a drafter, not both")
+        draft.expect(len(req.prompt_ids), req.reference_ids if scripted else None)
+        kwargs["draft_model"] = draft
+        kwargs["num_draft_tokens"] = num_draft_tokens or STOCK_DRAFT_TOKENS
     if drafter is not None:
         kwargs["draft_model"] = drafter
         if num_draft_tokens is not None:
@@ -459,7 +890,9 @@ def generate_one(
         if isinstance(drafter, OracleDrafter):
             drafter.set_reference(req.reference_ids)
         before = drafter.stats.copy()
+        counted = counts.snapshot() if counts is not None else None
     out: List[int] = []
+    flags: List[bool] = []
     t0 = time.perf_counter()
     ttft = 0.0
     forwards = 0  # stock's: one per token generated, an EOS included
@@ -467,15 +900,23 @@ def generate_one(
         if not out and resp.generation_tokens:
             ttft = time.perf_counter() - t0
         forwards += 1
+        flags.append(bool(getattr(resp, "from_draft", False)))
         if resp.finish_reason != "stop" or resp.token not in tokenizer.eos_token_ids:
             out.append(int(resp.token))
     seconds = time.perf_counter() - t0
     s = Sample(tokens=len(out), seconds=seconds, ttft=ttft, steps=forwards, request=req.id)
+    if draft is not None:
+        d, a, r = stock_draft_counts(flags, kwargs["num_draft_tokens"], max_tokens)
+        s.drafted, s.accepted, s.steps = d, a, forwards - a
+        s.model_counts = {"drafted": d, "accepted": a, "rejected": r}
     if drafter is not None:
         moved = drafter.stats.delta(before)
         s.drafted, s.accepted, s.steps = moved.drafted, moved.accepted, moved.steps
         s.replays, s.replayed_tokens = moved.replays, moved.replayed_tokens
         s.replay_seconds = replay_seconds(drafter, moved.replays, moved.replayed_tokens)
+        if counts is not None:
+            s.model_counts = counts_delta(counts.snapshot(), counted).get(
+                "model", {"drafted": 0, "accepted": 0, "rejected": 0})
     if scripted:
         s.matched = out == req.reference_ids[: len(out)] and (
             len(out) == min(max_tokens, len(req.reference_ids))
@@ -493,9 +934,31 @@ def replay_seconds(drafter: SuffixDrafter, replays: int, tokens: int) -> Optiona
     return replays * cost(max(1, round(tokens / replays))) if replays else 0.0
 
 
-def arm_drafter(arm: str, drafter_kwargs: Optional[Dict[str, Any]] = None) -> Optional[SuffixDrafter]:
-    """A fresh drafter for in-process ``arm`` (None for ``stock``)."""
+@dataclass
+class DraftSetup:
+    """The draft model of the draft arms: the small model, its
+    :class:`DraftScript` (None: unscripted) and stock's draft tokens a
+    round."""
+
+    model: Any
+    script: Optional[DraftScript] = None
+    stock_tokens: int = 3
+
+
+def arm_drafter(arm: str, drafter_kwargs: Optional[Dict[str, Any]] = None,
+                draft: Optional[DraftSetup] = None) -> Optional[SuffixDrafter]:
+    """A fresh drafter for in-process ``arm`` (None for ``stock`` and
+    ``stock-draft``); ``draft``: the draft arms' draft model."""
     drafter_kwargs = drafter_kwargs or {}
+    if arm in DRAFT_ARMS:
+        if draft is None:
+            raise ValueError(f"arm {arm!r} needs a draft model")
+        if arm == "stock-draft":
+            return None
+        from ..sources.draft_model import DraftModel
+
+        guide = draft.script.guide if draft.script is not None else None
+        return SuffixDrafter(draft_model=DraftModel(draft.model, guide), **drafter_kwargs)
     if arm in ("suffix-cold", "suffix-warm"):
         return SuffixDrafter(**drafter_kwargs)
     if arm in ("suffix-cold-fixed", "suffix-warm-fixed"):
@@ -521,18 +984,29 @@ def run_inprocess_arms(
     eos_id: int,
     drafter_kwargs: Optional[Dict[str, Any]] = None,
     tick: Callable[[], None] = lambda: None,
+    draft: Optional[DraftSetup] = None,
 ) -> Dict[str, Dict[str, Any]]:
     """Run ``requests`` (in order) through every in-process arm, interleaved:
     each request goes through all arms in turn, in an order that alternates
     from request to request, so that the machine's drift over the run weighs
     on every arm alike. Each arm keeps its own drafter across the requests.
     ``matched_reference``: in scripted mode, whether the output followed the
-    reference; otherwise (real output), whether it equals stock's tokens."""
-    drafters = {a: arm_drafter(a, drafter_kwargs) for a in arms}
+    reference; otherwise (real output), whether it equals stock's tokens.
+    ``draft``: the draft arms' draft model (``stock-draft``: stock's
+    speculative decoding with it; ``suffix-draft``: a drafter with it beside
+    the trees)."""
+    drafters = {a: arm_drafter(a, drafter_kwargs, draft) for a in arms}
+    stock_draft = ScriptedDraft(draft.model, draft.script) if draft is not None else None
+    counts = {a: DraftCounts() for a, d in drafters.items() if d is not None and d.draft_model is not None}
     calibrated = {}
     for a, drafter in drafters.items():
         if drafter is None:
             continue
+        if a in counts:
+            drafter.record = counts[a].counting(drafter.record)
+            # The costs are measured at first use: out of the timings.
+            drafter.policy.ensure_cost(drafter.draft_model.pair(model))
+            drafter.policy.ensure_draft_cost(drafter.draft_model.model)
         drafter.policy.ensure_cost(model)  # the cost calibration stays out of the timings
         cost = drafter.policy.cost
         calibrated[a] = (cost.relative(), cost(1)) if cost is not None else (None, None)
@@ -545,7 +1019,12 @@ def run_inprocess_arms(
         outs = {}
         for a in arms if i % 2 == 0 else list(reversed(arms)):
             _reset_peak_memory()
-            s, outs[a] = generate_one(model, tokenizer, req, max_tokens, drafters[a], scripted, eos_id)
+            if a == "stock-draft":
+                s, outs[a] = generate_one(model, tokenizer, req, max_tokens, None, scripted, eos_id,
+                                          draft.stock_tokens, draft=stock_draft)
+            else:
+                s, outs[a] = generate_one(model, tokenizer, req, max_tokens, drafters[a], scripted,
+                                          eos_id, counts=counts.get(a))
             peak = _peak_memory()
             if peak is not None:
                 peaks[a] = max(peaks[a] or 0, peak)
@@ -617,6 +1096,7 @@ def summarize(
         "replay_share": sum(replay_s) / wall if replay_s and wall > 0 else None,
         "prompt_tokens": sum(s.prompt_tokens for s in served) if served else None,
         "cached_prompt_tokens": sum(s.cached_tokens or 0 for s in served) if served else None,
+        **model_figures(_model_sum(samples)),
         "per_request": {
             s.request: {
                 "tokens_per_s": s.tokens / s.seconds if s.seconds > 0 else 0.0,
@@ -625,6 +1105,20 @@ def summarize(
             for s in samples
             if s.request is not None
         },
+    }
+
+
+def _model_sum(samples: Sequence[Sample]) -> Optional[Dict[str, Optional[int]]]:
+    """The samples' draft model counts summed (None: none has any;
+    ``rejected`` None unless every sample knows it)."""
+    known = [s.model_counts for s in samples if s.model_counts is not None]
+    if not known:
+        return None
+    rejected = [c.get("rejected") for c in known]
+    return {
+        "drafted": sum(c.get("drafted") or 0 for c in known),
+        "accepted": sum(c.get("accepted") or 0 for c in known),
+        "rejected": None if None in rejected else sum(rejected),
     }
 
 
@@ -710,16 +1204,25 @@ def server_process(
     extra_args: Sequence[str] = (),
     log: Optional[Path] = None,
     ranks: int = 1,
+    draft_counts: Optional[Path] = None,
+    draft_agreement: Optional[float] = None,
 ) -> ServerProcess:
     """A ready ``mlx_lm.server`` (``--draft suffix`` when ``suffix``) run by
     :func:`serve_main` with the BLAS policy ``blas`` and, with ``script``,
     scripted targets, on ``ranks`` processes of this machine (more than one:
     by ``mlx.launch``, the model sharded); its output is appended to ``log``.
+    ``draft_counts``: where it writes its draft model's counts (a server
+    with ``--draft-model``), ``draft_agreement``: its draft model's
+    scripted agreement (see :func:`serve_draft_models`).
     Stop it, or use it as a context manager."""
     env = blas_env(blas)
     if script is not None:
         env[SCRIPT_ENV] = str(script)
         env["MLX_LM_SUFFIX_SCRIPT_EOS"] = str(eos_id)
+    if draft_counts is not None:
+        env[DRAFT_COUNTS_ENV] = str(draft_counts)
+        if draft_agreement is not None and script is not None:
+            env[DRAFT_AGREEMENT_ENV] = str(draft_agreement)
     args = ["--draft", "suffix"] if suffix else []
     command = distributed_command(ranks, server=SERVE_MAIN) if ranks > 1 else SERVE_MAIN
     return ServerProcess(
@@ -794,6 +1297,7 @@ def http_generate(url: str, req: Request, max_tokens: int, timeout: float = 600.
     accepted = int(usage.get(USAGE_ACCEPTED, 0) or 0)
     steps = n - accepted if n else 0
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    by_source = usage.get(USAGE_DRAFTED + "_by_source")
     sample = Sample(
         n,
         seconds,
@@ -805,6 +1309,10 @@ def http_generate(url: str, req: Request, max_tokens: int, timeout: float = 600.
         cached_tokens=int(cached or 0),
         request=req.id,
     )
+    if by_source is not None and "model" in by_source:  # (rejections not known here)
+        accepted_by = usage.get(USAGE_ACCEPTED + "_by_source") or {}
+        sample.model_counts = {"drafted": int(by_source.get("model", 0)),
+                               "accepted": int(accepted_by.get("model", 0)), "rejected": None}
     return sample, "".join(text)
 
 
@@ -920,13 +1428,27 @@ def run_bench(
     progress: Optional[Callable[[int], None]] = None,
     log_dir: Optional[Path] = None,
     ranks: int = 1,
+    draft_model_path: Optional[str] = None,
+    draft_agreement: float = DRAFT_AGREEMENT,
+    stock_draft_tokens: int = STOCK_DRAFT_TOKENS,
 ) -> Dict[str, Any]:
     """Run every arm on every workload; returns the JSON report (see module
-    doc); ``ranks``: the servers' processes (see :func:`server_process`)."""
+    doc); ``ranks``: the servers' processes (see :func:`server_process`);
+    ``draft_model_path``: the draft arms' draft model (of the model's
+    vocabulary, else :class:`DraftModelMismatch`), scripted to agree with
+    the scripted target on ``draft_agreement`` of its tokens
+    (:class:`DraftScript`); stock drafts ``stock_draft_tokens`` a round."""
     import mlx_lm
 
+    needs = [a for a in arms if a in DRAFT_ARMS]
+    if needs and draft_model_path is None:
+        raise DraftModelMismatch(f"arms {needs} need a draft model")
     model, tokenizer = mlx_lm.load(str(model_path))
     eos_id = sorted(tokenizer.eos_token_ids)[0] if tokenizer.eos_token_ids else 0
+    small = None
+    if draft_model_path is not None:
+        small, _ = mlx_lm.load(str(draft_model_path))
+        check_draft_vocabulary(model, small)
     tick = (lambda: progress(1)) if progress else (lambda: None)
     report: Dict[str, Any] = {
         "mode": "scripted" if scripted else "real",
@@ -937,6 +1459,11 @@ def run_bench(
         "repetitions": repetitions,
         "ranks": ranks,
         "drafter": SuffixDrafter(**(drafter_kwargs or {})).config(),
+        "draft_model": None if draft_model_path is None else {
+            "model": str(draft_model_path),
+            "agreement": draft_agreement if scripted else None,
+            "stock_draft_tokens": stock_draft_tokens,
+        },
         "workloads": {},
     }
     workloads = {}
@@ -947,6 +1474,9 @@ def run_bench(
     # Warm-up (first-call compile/allocation costs stay out of the numbers).
     first = next(iter(workloads.values()))[0]
     generate_one(model, tokenizer, first, 4, None, scripted, eos_id)
+    if small is not None:
+        generate_one(model, tokenizer, first, 4, None, scripted, eos_id, stock_draft_tokens,
+                     draft=ScriptedDraft(small))
 
     tmp = Path(tempfile.mkdtemp(prefix="mlx_lm_suffix_bench_"))
     for name, requests in workloads.items():
@@ -956,17 +1486,24 @@ def run_bench(
             "prompt_tokens": sum(len(r.prompt_ids) for r in requests),
             "arms": {},
         }
+        draft = None
+        if small is not None:
+            script = DraftScript([(r.prompt_ids, r.reference_ids) for r in requests], eos_id,
+                                 draft_agreement, output_size(small)) if scripted else None
+            draft = DraftSetup(small, script, stock_draft_tokens)
         per_rep: List[Dict[str, Dict[str, Any]]] = []
         for rep in range(repetitions):
             order = list(arms) if rep % 2 == 0 else list(reversed(arms))
             per_rep.append(
-                run_inprocess_arms(order, model, tokenizer, requests, max_tokens, scripted, eos_id, drafter_kwargs, tick)
+                run_inprocess_arms(order, model, tokenizer, requests, max_tokens, scripted, eos_id,
+                                   drafter_kwargs, tick, draft)
             )
         if server:
             script = write_script(tmp / f"{name}.script.jsonl", requests) if scripted else None
             for c in concurrency:
                 for rep in range(repetitions):
-                    res = _server_rep(model_path, requests, max_tokens, c, scripted, script, eos_id, blas, rep, tick, log_dir, server_flags(drafter_kwargs), server_fixed, ranks)
+                    res = _server_rep(model_path, requests, max_tokens, c, scripted, script, eos_id, blas, rep, tick, log_dir, server_flags(drafter_kwargs), server_fixed, ranks,
+                                      draft_model_path, draft_agreement if scripted else None, stock_draft_tokens, tmp)
                     per_rep[rep].update({f"{k}@c{c}": v for k, v in res.items()})
         all_arms = list(per_rep[0])
         for a in all_arms:
@@ -995,6 +1532,32 @@ def run_bench(
             wl["arms"][a] = merged
         report["workloads"][name] = wl
     return report
+
+
+class DraftModelMismatch(ValueError):
+    """A draft model the bench cannot use (another vocabulary), or draft
+    arms without one."""
+
+
+def output_size(model: Any) -> int:
+    """The length of ``model``'s logits (its vocabulary)."""
+    import mlx.core as mx
+
+    args = getattr(model, "args", None)
+    size = getattr(args, "vocab_size", None)
+    if isinstance(size, int):
+        return size
+    return int(model(mx.array([[0]], mx.uint32)).shape[-1])
+
+
+def check_draft_vocabulary(model: Any, draft: Any) -> None:
+    """Raise :class:`DraftModelMismatch` where ``draft``'s vocabulary is not
+    ``model``'s."""
+    ours, theirs = output_size(draft), output_size(model)
+    if ours != theirs:
+        raise DraftModelMismatch(
+            f"the draft model's vocabulary ({ours} tokens) is not the model's ({theirs}): "
+            "a draft model needs the model's tokenizer")
 
 
 def baseline_arm(arm: str) -> str:
@@ -1043,30 +1606,58 @@ def _server_rep(
     suffix_args: Sequence[str] = (),
     fixed: bool = False,
     ranks: int = 1,
+    draft: Optional[str] = None,
+    draft_agreement: Optional[float] = None,
+    stock_draft_tokens: int = STOCK_DRAFT_TOKENS,
+    counts_dir: Optional[Path] = None,
 ) -> Dict[str, Dict[str, Any]]:
     """One repetition of the server arms: a stock server and a fresh suffix
     server (started with ``suffix_args``), and with ``fixed`` a fresh
-    ``--suffix-policy fixed`` server, all running at once; the workload goes
-    through them interleaved (:func:`run_server_arms`) twice, cold then
-    warm. The start order alternates between repetitions."""
+    ``--suffix-policy fixed`` server, and with ``draft`` (a draft model) a
+    stock server and a fresh suffix server with ``--draft-model draft``, all
+    running at once; the workload goes through them interleaved
+    (:func:`run_server_arms`) twice, cold then warm (the stock server with a
+    draft model, which serves one request at a time, cold only). The start
+    order alternates between repetitions."""
     servers = [("stock", False, ()), ("suffix", True, suffix_args)]
     if fixed:
         servers.append(("suffix-fixed", True, (*suffix_args, "--suffix-policy", "fixed")))
+    if draft is not None:
+        servers.append(("stock-draft", False, ("--draft-model", draft,
+                                               "--num-draft-tokens", str(stock_draft_tokens))))
+        servers.append(("suffix-draft", True, (*suffix_args, "--draft-model", draft)))
     if rep % 2:
         servers.reverse()
+    counts: Dict[str, Path] = {}
     with ExitStack() as stack:
         urls = {}
         for name, suffix, args in servers:
             log = log_dir / f"server-{name}.log" if log_dir else None
+            if name.endswith("-draft"):
+                folder = counts_dir or Path(tempfile.mkdtemp(prefix="mlx_lm_suffix_counts_"))
+                counts[name] = folder / f"{name}-c{concurrency}-r{rep}.counts.json"
+                counts[name].unlink(missing_ok=True)
             urls[name] = stack.enter_context(
-                server_process(model_path, suffix=suffix, script=script, eos_id=eos_id, blas=blas, log=log, extra_args=args, ranks=ranks)
+                server_process(model_path, suffix=suffix, script=script, eos_id=eos_id, blas=blas, log=log,
+                               extra_args=args, ranks=ranks, draft_counts=counts.get(name),
+                               draft_agreement=draft_agreement)
             ).url
             warm_up(urls[name])
+        before = {n: read_counts(c) for n, c in counts.items()}
         cold = run_server_arms(urls, requests, max_tokens, concurrency, scripted, tick)
+        after_cold = {n: read_counts(c) for n, c in counts.items()}
         # Second pass: the stock server's prompt cache is now as warm as the
         # suffix servers' in theirs, so they compare fairly.
-        warm = run_server_arms(urls, requests, max_tokens, concurrency, scripted, tick)
-        stats = {n: server_stats(u) for n, u in urls.items() if n != "stock"}
+        warm = run_server_arms({n: u for n, u in urls.items() if n != "stock-draft"}, requests,
+                               max_tokens, concurrency, scripted, tick)
+        after_warm = {n: read_counts(c) for n, c in counts.items() if n != "stock-draft"}
+        stats = {n: server_stats(u) for n, u in urls.items() if n not in ("stock", "stock-draft")}
+    for name, done in after_cold.items():
+        delta = counts_delta(done, before[name]).get("model")
+        cold[name].update(model_figures(delta or {"drafted": 0, "accepted": 0, "rejected": 0}))
+    for name, done in after_warm.items():
+        delta = counts_delta(done, after_cold[name]).get("model")
+        warm[name].update(model_figures(delta or {"drafted": 0, "accepted": 0, "rejected": 0}))
     out = {"server-stock": cold["stock"], "server-stock-warm": warm["stock"]}
     for name, tag in (("suffix", ""), ("suffix-fixed", "-fixed")):
         if name in urls:
@@ -1074,12 +1665,20 @@ def _server_rep(
             out[f"server-suffix-warm{tag}"] = warm[name]
             if stats[name] is not None:
                 out[f"server-suffix-warm{tag}"]["server_stats"] = stats[name]
+    if draft is not None:
+        out["server-stock-draft"] = cold["stock-draft"]
+        out["server-suffix-draft-cold"] = cold["suffix-draft"]
+        out["server-suffix-draft-warm"] = warm["suffix-draft"]
+        if stats["suffix-draft"] is not None:
+            out["server-suffix-draft-warm"]["server_stats"] = stats["suffix-draft"]
     return out
 
 
-def total_ticks(n_requests: Dict[str, int], arms: Sequence[str], repetitions: int, server: bool, concurrency: Sequence[int], server_fixed: bool = False) -> int:
+def total_ticks(n_requests: Dict[str, int], arms: Sequence[str], repetitions: int, server: bool,
+                concurrency: Sequence[int], server_fixed: bool = False, draft: bool = False) -> int:
     """Progress-bar length: requests timed over the whole run."""
-    n_server = len(SERVER_ARMS) + (len(SERVER_FIXED_ARMS) if server_fixed else 0)
+    n_server = (len(SERVER_ARMS) + (len(SERVER_FIXED_ARMS) if server_fixed else 0)
+                + (len(SERVER_DRAFT_ARMS) if draft else 0))
     per = len(arms) + (n_server * len(concurrency) if server else 0)
     return sum(n_requests.values()) * per * repetitions
 

@@ -343,11 +343,37 @@ def parity_command(
 @click.option("--repetitions", default=3, show_default=True, type=int, help="Paired repetitions (arm order alternates).")
 @click.option(
     "--arms",
-    default="stock,suffix-cold,suffix-warm,oracle",
-    show_default=True,
+    default=None,
     help="In-process arms (comma-separated; stock is always included): stock, "
     "suffix-cold, suffix-warm, suffix-cold-fixed, suffix-warm-fixed, oracle, "
-    "oracle@N (drafts of up to N tokens); or 'none' for the server arms alone.",
+    "oracle@N (drafts of up to N tokens), and with --draft-model stock-draft "
+    "(stock mlx-lm's speculative decoding with it) and suffix-draft (a fresh drafter "
+    "with it beside the trees); or 'none' for the server arms alone.  [default: "
+    "stock,suffix-cold,suffix-warm,oracle; with --draft-model "
+    "stock,stock-draft,suffix-cold,suffix-draft]",
+)
+@click.option(
+    "--draft-model",
+    default=None,
+    help="A draft model of the model's vocabulary for the draft arms (and with --server "
+    "the draft servers): as --model, or tiny/mini/small/bench for the local random-weight "
+    "model of that size of --family.",
+)
+@click.option(
+    "--draft-agreement",
+    default=0.75,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0),
+    help="Scripted mode: the share of draft positions where the draft model proposes "
+    "the target's token (the same positions for every arm and run).",
+)
+@click.option(
+    "--stock-draft-tokens",
+    default=3,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Draft tokens a round of stock's speculative decoding (stock-draft arms; "
+    "mlx-lm's own default).",
 )
 @click.option("--server/--no-server", default=False, show_default=True, help="Also run the server arms.")
 @click.option(
@@ -401,7 +427,10 @@ def bench_command(
     prompt_chars: int,
     max_tokens: int,
     repetitions: int,
-    arms: str,
+    arms: Optional[str],
+    draft_model: Optional[str],
+    draft_agreement: float,
+    stock_draft_tokens: int,
     server: bool,
     server_fixed: bool,
     concurrency: List[int],
@@ -429,6 +458,11 @@ def bench_command(
 
     try:
         model_path = resolve_model(model) if model else str(ensure_model(family, size))
+        draft_path = None
+        if draft_model in b.LOCAL_SIZES:
+            draft_path = str(ensure_model(family, draft_model))
+        elif draft_model:
+            draft_path = resolve_model(draft_model)
     except WheelUnavailable as e:
         raise click.ClickException(str(e)) from e
     if scripted is None:
@@ -449,6 +483,8 @@ def bench_command(
                 selection = {"set": "builtin"}
     except ValueError as e:
         raise click.ClickException(str(e)) from e
+    if arms is None:
+        arms = ",".join(b.DEFAULT_DRAFT_ARMS if draft_path else b.DEFAULT_ARMS)
     if arms.strip() == "none":
         if not server:
             raise click.ClickException("--arms none needs --server")
@@ -458,36 +494,46 @@ def bench_command(
     bad = [a for a in arm_list if not b.is_inprocess_arm(a)]
     if bad:
         raise click.ClickException(f"unknown arms {bad}; choose from {b.INPROCESS_ARMS} or oracle@N")
+    drafting = [a for a in arm_list if a in b.DRAFT_ARMS]
+    if drafting and not draft_path:
+        raise click.ClickException(f"arms {drafting} need --draft-model")
     from .workloads import read_workload
 
     try:
         counts = {k: len(read_workload(v)[:n_requests]) for k, v in files.items()}
     except ValueError as e:
         raise click.ClickException(str(e)) from e
-    total = b.total_ticks(counts, arm_list, repetitions, server, concurrency, server_fixed)
+    total = b.total_ticks(counts, arm_list, repetitions, server, concurrency, server_fixed,
+                          draft=draft_path is not None)
     with click.progressbar(length=total, label="bench", file=sys.stderr) as bar:
-        report = b.run_bench(
-            model_path,
-            files,
-            arms=arm_list,
-            server=server,
-            server_fixed=server_fixed,
-            concurrency=concurrency,
-            repetitions=repetitions,
-            max_tokens=max_tokens,
-            max_requests=n_requests,
-            scripted=scripted,
-            blas=blas,
-            drafter_kwargs={
-                "num_draft_tokens": num_draft_tokens,
-                "max_tree_depth": max_tree_depth,
-                "max_spec_factor": max_spec_factor,
-                "policy": suffix_policy,
-            },
-            progress=bar.update,
-            log_dir=out,
-            ranks=ranks,
-        )
+        try:
+            report = b.run_bench(
+                model_path,
+                files,
+                arms=arm_list,
+                server=server,
+                server_fixed=server_fixed,
+                concurrency=concurrency,
+                repetitions=repetitions,
+                max_tokens=max_tokens,
+                max_requests=n_requests,
+                scripted=scripted,
+                blas=blas,
+                drafter_kwargs={
+                    "num_draft_tokens": num_draft_tokens,
+                    "max_tree_depth": max_tree_depth,
+                    "max_spec_factor": max_spec_factor,
+                    "policy": suffix_policy,
+                },
+                progress=bar.update,
+                log_dir=out,
+                ranks=ranks,
+                draft_model_path=draft_path,
+                draft_agreement=draft_agreement,
+                stock_draft_tokens=stock_draft_tokens,
+            )
+        except b.DraftModelMismatch as e:
+            raise click.ClickException(str(e)) from e
     report["workload_set"] = selection
     click.echo(b.format_table(report))
     _write_json(out / "bench.json", report)
