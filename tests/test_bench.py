@@ -465,3 +465,191 @@ def test_bench_servers_on_two_ranks(tmp_path, tiny_model_path):
     assert set(arms) == {f"{a}@c2" for a in bench.SERVER_ARMS}
     assert all(m["matched_reference"] for m in arms.values())
     assert arms["server-suffix-warm@c2"]["server_stats"]["models"]
+
+
+# ------------------------------------------------------------ draft model
+def test_mixed_workload_is_deterministic_and_repeats_its_prompt_in_places(tmp_path):
+    a = workloads.write_workloads(tmp_path / "a", n=4, max_chars=1200, names=["mixed"])
+    b = workloads.write_workloads(tmp_path / "b", n=4, max_chars=1200, names=["mixed"])
+    assert a["mixed"].read_bytes() == b["mixed"].read_bytes()
+    recs = workloads.read_workload(a["mixed"])
+    assert [r["turn"] for r in recs] == [0, 1, 0, 1] and recs[0]["session"] == recs[1]["session"]
+    for r in recs:
+        prompt = r["messages"][-1]["content"]
+        lines = r["reference"].splitlines()
+        copied = [ln for ln in lines if ln in prompt.splitlines()]
+        new = [ln for ln in lines if ln not in prompt]
+        # Runs of the tool's lines, new comment lines between them.
+        assert len(copied) >= 8 and len(new) >= 4 and all(ln.startswith("# ") for ln in new)
+    # A later turn's prompt holds the earlier answer.
+    assert recs[0]["reference"] in [m["content"] for m in recs[1]["messages"]]
+    assert "mixed" in workloads.BUILTIN and "mixed" not in workloads.WORKLOADS
+
+
+def test_draft_script_agrees_on_a_share_of_positions():
+    script = bench.DraftScript([([1] * 50, [5, 6])], eos_id=2, agreement=0.75, vocab_size=1000)
+    pairs = [(i, t) for i in range(200) for t in range(100, 110)]
+    agree = sum(script.agrees(i, t) for i, t in pairs) / len(pairs)
+    assert agree == pytest.approx(0.75, abs=0.03)
+    for i, t in pairs[:300]:
+        tok = script.token(i, t)
+        assert (tok == t) == script.agrees(i, t) and tok != 2 and 0 <= tok < 1000
+    again = bench.DraftScript([([1] * 50, [5, 6])], eos_id=2, agreement=0.75, vocab_size=1000)
+    assert [again.token(i, t) for i, t in pairs] == [script.token(i, t) for i, t in pairs]
+    # The guide: the scripted token of the answer position, and A as its estimate.
+    assert script.guide([1] * 50) == (script.token(0, 5), 0.75)
+    assert script.guide([1] * 50 + [5, 6]) == (script.token(2, 2), 0.75)  # EOS after it
+    assert script.guide([1] * 50 + [9]) is None  # off the script
+
+
+def test_stock_draft_counts_follow_its_rounds():
+    # Rounds of 3 drafts: 2 held then the target's; 3 held and the bonus;
+    # then max_tokens (9) cuts the drafts to 2 (none held, the target's) and
+    # to 1 (held, and the generation's end).
+    flags = [True, True, False, True, True, True, False, False, True]
+    assert bench.stock_draft_counts(flags, 3, 9) == (3 + 3 + 2 + 1, 6, 2)
+    # Cut short (EOS) in a round's drafts: its drafts count, no rejection seen.
+    assert bench.stock_draft_counts([True, False, True], 3, 64) == (6, 2, 1)
+
+
+@pytest.fixture(scope="module")
+def draft_runs(loaded, tmp_path_factory):
+    """For the draft arms in process (scripted, agreement
+    0.75) on six open-ended requests: the requests and EOS."""
+    _, tokenizer = loaded
+    d = tmp_path_factory.mktemp("wl-draft")
+    files = workloads.write_workloads(d, n=6, max_chars=800, names=["open-ended"])
+    reqs = bench.load_requests(workloads.read_workload(files["open-ended"]), tokenizer)
+    eos = sorted(tokenizer.eos_token_ids)[0]
+    return reqs, eos
+
+
+def _draft_setup(reqs, eos, tiny_model_path, agreement=0.75):
+    """The draft arms' setup: the tiny model loaded again as the draft model."""
+    import mlx_lm
+
+    small, _ = mlx_lm.load(str(tiny_model_path))
+    script = bench.DraftScript([(r.prompt_ids, r.reference_ids) for r in reqs], eos, agreement,
+                               bench.output_size(small))
+    return bench.DraftSetup(small, script, 3)
+
+
+def test_draft_arms_give_stocks_output_and_the_scripted_agreement(loaded, draft_runs, tiny_model_path):
+    """Both draft arms emit the reference (stock's output) and their draft
+    model's tokens hold at the scripted agreement: accepted / (accepted +
+    rejections) within 0.1 of A over a few hundred checked positions, for
+    stock's speculative decoding and for the drafter's model source alike
+    (fixed lengths: the model drafts wherever the trees have nothing)."""
+    model, tokenizer = loaded
+    reqs, eos = draft_runs
+    draft = _draft_setup(reqs, eos, tiny_model_path)
+    kwargs = {"policy": "fixed", "num_draft_tokens": 6, "max_cached_requests": 0}
+    runs = bench.run_inprocess_arms(["stock", "stock-draft", "suffix-draft"], model, tokenizer, reqs,
+                                    80, True, eos, kwargs, draft=draft)
+    assert len({m["tokens"] for m in runs.values()}) == 1
+    assert all(m["matched_reference"] for m in runs.values())
+    assert runs["stock"]["model_agreement"] is None and runs["stock"]["model_drafted"] is None
+    for arm in ("stock-draft", "suffix-draft"):
+        m = runs[arm]
+        checked = m["model_accepted"] + m["model_rejected"]
+        assert checked >= 150, (arm, m)
+        assert m["model_agreement"] == pytest.approx(0.75, abs=0.1), (arm, m)
+        # Tokens after a rejected one count as drafted: acceptance is lower.
+        assert m["model_acceptance"] < m["model_agreement"]
+    assert runs["stock-draft"]["model_drafted"] == runs["stock-draft"]["drafted"]
+    # A perfect draft model: every scripted token holds.
+    perfect = _draft_setup(reqs[:2], eos, tiny_model_path, agreement=1.0)
+    runs = bench.run_inprocess_arms(["stock-draft", "suffix-draft"], model, tokenizer, reqs[:2], 40,
+                                    True, eos, kwargs, draft=perfect)
+    for m in runs.values():
+        assert m["model_rejected"] == 0 and m["model_accepted"] > 0 and m["matched_reference"]
+
+
+def test_draft_arms_real_output_equals_stocks(loaded, requests, tiny_llama_path):
+    """Not scripted: a real draft model of the same tokenizer (the tiny
+    llama beside the tiny qwen3); each draft arm's tokens are stock's."""
+    import mlx_lm
+
+    model, tokenizer = loaded
+    small, _ = mlx_lm.load(str(tiny_llama_path))
+    eos = sorted(tokenizer.eos_token_ids)[0]
+    draft = bench.DraftSetup(small, None, 3)
+    runs = bench.run_inprocess_arms(["stock", "stock-draft", "suffix-draft"], model, tokenizer,
+                                    requests["code-edit"][:2], 24, False, eos,
+                                    {"policy": "fixed", "num_draft_tokens": 4}, draft=draft)
+    assert runs["stock-draft"]["matched_reference"] is True
+    assert runs["suffix-draft"]["matched_reference"] is True
+    assert runs["stock-draft"]["model_drafted"] > 0
+
+
+def test_bench_refuses_draft_arms_without_a_draft_model_of_its_vocabulary(tmp_path, tiny_model_path,
+                                                                        monkeypatch):
+    import mlx_lm
+
+    args = ["bench", "--model", str(tiny_model_path), "--scripted", "--blas", "reference",
+            "--requests", "1", "--max-tokens", "8", "--repetitions", "1", "--prompt-chars", "600",
+            "--workloads", "open-ended", "--out", str(tmp_path / "out")]
+    result = CliRunner().invoke(main, args + ["--arms", "stock,suffix-draft"])
+    assert result.exit_code != 0 and "need --draft-model" in result.output
+    load = mlx_lm.load
+
+    def other_vocabulary(path, *a, **k):
+        model, tokenizer = load(path, *a, **k)
+        if str(path).endswith("other"):
+            model.args.vocab_size += 1
+        return model, tokenizer
+
+    other = tmp_path / "other"
+    other.symlink_to(tiny_model_path, target_is_directory=True)
+    monkeypatch.setattr(mlx_lm, "load", other_vocabulary)
+    result = CliRunner().invoke(main, args + ["--draft-model", str(other)])
+    assert result.exit_code != 0 and "vocabulary" in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_bench_draft_model_command_and_servers(tmp_path, tiny_model_path):
+    """The default arms with --draft-model, the table's columns, and the
+    draft servers at c=2: a stock server with the draft model (its first
+    pass) and a suffix server with it (both passes), both scripted, both
+    counting their draft model's tokens."""
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, [
+        "bench", "--model", str(tiny_model_path), "--draft-model", str(tiny_model_path),
+        "--scripted", "--blas", "reference", "--requests", "2", "--max-tokens", "32",
+        "--repetitions", "1", "--prompt-chars", "600", "--workloads", "mixed",
+        "--suffix-policy", "fixed", "--num-draft-tokens", "6", "--server", "--concurrency", "2",
+        "--out", str(out),
+    ])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    report = json.loads((out / "bench.json").read_text())
+    assert report["draft_model"] == {"model": str(tiny_model_path), "agreement": 0.75,
+                                     "stock_draft_tokens": 3}
+    arms = report["workloads"]["mixed"]["arms"]
+    inproc = [a for a in arms if not a.startswith("server-")]
+    assert inproc == list(bench.DEFAULT_DRAFT_ARMS)
+    assert set(arms) - set(inproc) == {f"{a}@c2" for a in bench.SERVER_ARMS + bench.SERVER_DRAFT_ARMS}
+    assert all(m["matched_reference"] for m in arms.values())
+    for arm in ("stock-draft", "suffix-draft", "server-stock-draft@c2", "server-suffix-draft-cold@c2"):
+        m = arms[arm]
+        assert m["model_drafted"] > 0 and m["model_agreement"] > 0.5, (arm, m)
+    assert arms["server-suffix-cold@c2"]["model_drafted"] is None
+    assert bench.baseline_arm("server-stock-draft@c2") == "server-stock@c2"
+    assert bench.baseline_arm("server-suffix-draft-warm@c2") == "server-stock-warm@c2"
+    assert "model acc" in result.output and "scripted agreement 0.75" in result.output
+
+
+def test_no_module_reads_an_mlx_lm_private_name_outside_internals_and_patches():
+    import re as _re
+
+    root = Path(bench.__file__).parents[1]
+    pattern = _re.compile(r"\b(server|generate|mlx_lm(\.\w+)*)\._[a-z]\w*")
+    found = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root).as_posix()
+        if rel == "internals.py" or rel.startswith("patches/"):
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if pattern.search(code) and '"' not in code and "``" not in line:
+                found.append(f"{rel}:{n}: {line.strip()}")
+    assert not found, found

@@ -1696,10 +1696,14 @@ def format_table(report: Dict[str, Any]) -> str:
         "decode = the same after the first token (prefill excluded)\n"
         "per request = median/p10/worst over requests of each request's tok/s ratio to stock's "
         "on the same request (median over repetitions); worst = the request of the worst decode ratio\n"
+        + (f"draft model: {dm['model']}, scripted agreement {dm['agreement']}, stock drafts "
+           f"{dm['stock_draft_tokens']} a round; model acc = its tokens accepted / drafted, "
+           "agree = accepted / (accepted + drafts with a rejection)\n"
+           if (dm := report.get("draft_model")) else "")
     )
     cols = (
         "workload", "arm", "speedup", "decode", "per request e2e", "per request decode", "worst",
-        "tok/s", "accept", "tok/step", "TTFT ms", "TPOT ms", "peak MB", "match",
+        "tok/s", "accept", "model acc", "agree", "tok/step", "TTFT ms", "TPOT ms", "peak MB", "match",
     )
     rows = [cols]
 
@@ -1727,6 +1731,8 @@ def format_table(report: Dict[str, Any]) -> str:
                     ((m.get("per_request") or {}).get("decode") or {}).get("worst_request") or "-",
                     f(m["tokens_per_s"], ".1f"),
                     f(m["acceptance_rate"], ".0%"),
+                    f(m.get("model_acceptance"), ".0%"),
+                    f(m.get("model_agreement"), ".0%"),
                     f(m["tokens_per_step"], ".2f"),
                     f(m["ttft_s"] * 1e3 if m["ttft_s"] is not None else None, ".0f"),
                     f(m["tpot_s"] * 1e3 if m["tpot_s"] is not None else None, ".1f"),

@@ -22,6 +22,10 @@ Workloads:
   summaries that repeat structure across turns and sessions.
 - ``open-ended``: a question about one module answered with the docstring of
   another, so answers share little with prompts or earlier answers.
+- ``mixed`` (built-in only, not a default): agentic turns whose prompt holds
+  a tool's output (lines of a source file) and whose answer copies some of
+  its lines and writes new ones between them (comment lines of another
+  module's docstring): repeats in places, new text in between.
 
 Generation is deterministic: the same Python version gives the same files.
 
@@ -46,20 +50,25 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 __all__ = [
+    "BUILTIN",
     "HALVES",
     "WORKLOADS",
     "agentic",
     "build_eval_set",
     "code_edit",
     "eval_set",
+    "mixed",
     "open_ended",
     "read_workload",
     "write_eval_set",
     "write_workloads",
 ]
 
-#: Workload names, in the order they are written and benchmarked.
+#: Workload names, in the order they are written and benchmarked (the
+#: evaluation set has these).
 WORKLOADS = ("code-edit", "agentic", "open-ended")
+#: The built-in workloads: :data:`WORKLOADS` and ``mixed``.
+BUILTIN = (*WORKLOADS, "mixed")
 #: Halves of the evaluation set: constants are chosen on "tune", figures
 #: reported on "report".
 HALVES = ("tune", "report")
@@ -282,15 +291,71 @@ def open_ended(n: int = 8, max_chars: int = 1500) -> List[Dict[str, Any]]:
     return records
 
 
+def mixed(n: int = 8, turns: int = 2, max_lines: int = 40) -> List[Dict[str, Any]]:
+    """Agentic sessions of ``turns`` turns (``n`` requests in all) that
+    annotate source files: each prompt (and each later tool result) holds
+    up to ``max_lines`` lines of a module read by a tool, and its answer
+    copies them in runs of 2 to 5 lines with 1 to 3 new comment lines
+    between runs (sentences of another module's docstring, which the prompt
+    does not hold)."""
+    system = {
+        "role": "system",
+        "content": "You are a coding agent. Files come back from read_file(path, start, end). "
+        "Reply with the lines you were asked about, annotated with comments.",
+    }
+    sources = _sources()
+    prose = [
+        s.strip()
+        for _, src in sources
+        for s in re.split(r"(?<=[.!?])\s+", " ".join((_docstring(src) or "").split()))
+        if len(s.strip()) > 20
+    ]
+    records: List[Dict[str, Any]] = []
+    session, said = 0, 0
+    while len(records) < n:
+        keep = min(turns, n - len(records))
+        chunks, answers = [], []
+        for t in range(keep):
+            module, src = sources[(session * turns + t) % len(sources)]
+            lines = [ln for ln in src.splitlines() if ln.strip()]
+            start = (7 * session + 13 * t) % max(1, len(lines) - max_lines)
+            chunk = lines[start : start + max_lines]
+            chunks.append((f"Lib/{module}.py", start + 1, chunk))
+            out, i, k = [], 0, session + t
+            while i < len(chunk):
+                run = 2 + k % 4
+                out += chunk[i : i + run]
+                i += run
+                for _ in range(1 + k % 3):
+                    out.append(f"# {prose[said % len(prose)]}")
+                    said += 1
+                k += 1
+            answers.append("\n".join(out))
+
+        def shown(path: str, first: int, chunk: List[str]) -> str:
+            return f"{path} lines {first}-{first + len(chunk) - 1}:\n" + "\n".join(chunk)
+
+        path, first, chunk = chunks[0]
+        messages = [system, _user(
+            f"Read `{path}` and annotate what it does: repeat the lines, with comment lines "
+            f"between them.\n\nTool result:\n{shown(path, first, chunk)}")]
+        results = [shown(*c) + "\n\nAnnotate these lines the same way." for c in chunks[1:]]
+        records += session_records("mixed", f"mixed-{session}", messages, answers, results)
+        session += 1
+    return records
+
+
 def build(name: str, n: int = 8, max_chars: int = 4000) -> List[Dict[str, Any]]:
-    """The records of workload ``name`` (one of :data:`WORKLOADS`)."""
+    """The records of workload ``name`` (one of :data:`BUILTIN`)."""
     if name == "code-edit":
         return code_edit(n, max_chars)
     if name == "agentic":
         return agentic(n)
     if name == "open-ended":
         return open_ended(n, max(200, max_chars // 2))
-    raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
+    if name == "mixed":
+        return mixed(n, max_lines=max(8, max_chars // 100))
+    raise ValueError(f"unknown workload {name!r}; expected one of {BUILTIN}")
 
 
 #: Where the evaluation set's JSONL files are (package data).
