@@ -11,13 +11,22 @@ Arms (in-process, ``mlx_lm.stream_generate``, concurrency 1):
 - ``suffix-cold-fixed``, ``suffix-warm-fixed``: the suffix arms with
   fixed-length drafting, to compare the policies in one run.
 
+With a draft model (``draft_model_path``): ``stock-draft`` (stock's own
+speculative decoding with it) and ``suffix-draft`` (a fresh drafter with it
+beside the trees); in scripted mode both see the same :class:`DraftScript`
+(the draft model agrees with the target on a set share of positions), and
+each reports its draft model's acceptance and agreement
+(:func:`model_figures`).
+
 With ``server=True`` the workload also goes through real ``mlx_lm.server``
 subprocesses on 127.0.0.1 at each requested concurrency: ``server-stock`` and
 ``server-stock-warm`` (a stock server, first and second pass over the
 workload), ``server-suffix-cold`` and ``server-suffix-warm`` (a fresh
 ``--draft suffix`` server, first and second pass), and with
 ``server_fixed=True`` also ``server-suffix-cold-fixed`` and
-``server-suffix-warm-fixed`` (the same with ``--suffix-policy fixed``). Warm
+``server-suffix-warm-fixed`` (the same with ``--suffix-policy fixed``), and
+with a draft model ``server-stock-draft`` and ``server-suffix-draft-cold``/
+``-warm`` (:data:`SERVER_DRAFT_ARMS`). Warm
 passes are compared with ``server-stock-warm``, whose prompt cache is
 equally warm.
 
