@@ -495,9 +495,11 @@ def _model_drafts(rows: Sequence[Row], drafts: List[Draft], asking: List[int], c
     """The draft model's drafts, in place of ``drafts[i]`` for the rows
     ``asking`` (``caps``: their most tokens) where the policy prefers them
     (:meth:`~mlx_lm_suffix.policy.rules.Policy.better`): it runs for the
-    rows whose trees' draft is expected to hold fewer tokens than its own
-    (each row's chance a model token holds, :meth:`~mlx_lm_suffix.policy.
-    rules.Policy.model_rate`, over its cap), as many steps as
+    rows whose trees' draft, as much of it as the request's credit affords
+    (:meth:`~mlx_lm_suffix.policy.rules.Policy.usable`), is expected to
+    hold fewer tokens than its own (each row's chance a model token holds,
+    :meth:`~mlx_lm_suffix.policy.rules.Policy.model_rate`, over its cap),
+    as many steps as
     :meth:`~mlx_lm_suffix.policy.rules.Policy.model_steps` says (one
     batched run for every row of the driver)."""
     policy = driver.policy
@@ -505,7 +507,7 @@ def _model_drafts(rows: Sequence[Row], drafts: List[Draft], asking: List[int], c
     for i, k in zip(asking, caps):
         f, t = rate = policy.model_rate(rows[i].trust)
         expected = f * (k if t >= 1.0 else (1.0 - t ** k) / (1.0 - t))
-        if not drafts[i] or sum(policy.probs(drafts[i])) < expected:
+        if not drafts[i] or sum(policy.usable(drafts[i], not settled)) < expected:
             want.append(i)
             rates.append(rate)
     if not want:
@@ -529,7 +531,7 @@ def _model_drafts(rows: Sequence[Row], drafts: List[Draft], asking: List[int], c
         d = Draft(tokens[i][:n], cumulative, source="model", trust=rows[i].trust)
         policy.drafted(d)
         rows[i].spent(seconds / len(want))
-        if policy.better(drafts[i], d) is d:
+        if policy.better(drafts[i], d, not settled) is d:
             rows[i].drafted(d, settled)
             drafts[i] = d
 

@@ -285,8 +285,10 @@ class _Foreseeing(simulate.Replay):
         return [tokens + [-2] * (steps - len(tokens))], [[0.9] * steps], 0.0
 
 
-def _replay_with_model(credit: Optional[float] = None) -> Tuple[SuffixDrafter, List[str]]:
-    """A new text (nothing in it repeats) replayed through an adaptive
+def _replay_with_model(credit: Optional[float] = None, in_prompt: bool = False
+                       ) -> Tuple[SuffixDrafter, List[str]]:
+    """A new text (nothing in it repeats; ``in_prompt``: the prompt holds
+    it, so the trees draft it long and sure) replayed through an adaptive
     drafter with a draft model that foresees it, where a verification of
     ``n`` tokens costs ``1 + 0.1 (n - 1)`` plain steps and a draft forward a
     tenth of one; ``credit``: the request's, set before it starts. Returns
@@ -297,7 +299,7 @@ def _replay_with_model(credit: Optional[float] = None) -> Tuple[SuffixDrafter, L
                             draft_model=DraftModel(None))
     drafter.policy.draft_cost = VerifyCost({1: 0.1 * step}, smoothing=0)
     prompt, response = list(range(100, 140)), list(range(500, 600))
-    req = drafter.start(prompt)
+    req = drafter.start(prompt + response if in_prompt else prompt)
     row = Row(drafter, req, drafter.num_draft_tokens, len(response))
     row.model = True
     if credit is not None:
@@ -330,3 +332,14 @@ def test_draft_model_drafts_are_verified_whatever_the_requests_credit():
     credit bounds the trees' long drafts)."""
     drafter, _ = _replay_with_model(credit=-10.0)
     assert drafter.stats.source_accepted["model"] >= 0.7 * 100
+
+
+def test_a_spent_credit_hands_the_trees_long_draft_to_the_draft_model():
+    """Where the request's credit affords none of the trees' draft (a long
+    one failed before), the draft model drafts in its place: the policy
+    weighs the trees' draft as much of it as a verification may take, not
+    whole (it had kept the trees' draft, verified none of it, and took a
+    plain step for every token)."""
+    drafter, kinds = _replay_with_model(credit=-10.0, in_prompt=True)
+    assert sum(drafter.stats.source_accepted.values()) >= 0.7 * 100
+    assert kinds.count("plain") < 10

@@ -309,15 +309,27 @@ class Policy:
     def _cost(self, n: int, rows: int) -> float:
         return self.cost(n) if rows == 1 else self.cost(n, rows=rows)
 
-    def better(self, tree: Any, model: Any) -> Any:
+    def usable(self, draft: Any, pipelined: bool) -> List[float]:
+        """The scaled estimates (:meth:`probs`) of the tokens of ``draft``
+        a verification may take: those the request's credit affords
+        (:meth:`affordable`; a draft model's, all of them)."""
+        probs = self.probs(draft)
+        trust = getattr(draft, "trust", None)
+        if probs and self.cost_aware and trust is not None and draft.source != "model":
+            probs = probs[: self.affordable(len(probs), trust.credit, pipelined)]
+        return probs
+
+    def better(self, tree: Any, model: Any, pipelined: bool) -> Any:
         """Of a row's draft from the trees and from the draft model, the one
         expected to have more tokens accepted (as the policy scales their
-        estimates); the trees' on a tie (they cost no forward to go on)."""
+        estimates, the trees' cut to what the request's credit affords:
+        :meth:`usable`); the trees' on a tie (they cost no forward to go
+        on)."""
         if not model:
             return tree
         if not tree:
             return model
-        return model if sum(self.probs(model)) > sum(self.probs(tree)) else tree
+        return model if sum(self.probs(model)) > sum(self.usable(tree, pipelined)) else tree
 
     def record(self, draft: Any, verified: int, accepted: int) -> None:
         """Learn from a verified draft: its first ``verified`` tokens were
