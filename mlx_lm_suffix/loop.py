@@ -154,9 +154,11 @@ class Target(Protocol):
         """The row emits its pending token (:meth:`Row.stepped`) and the
         forward after it is queued."""
 
-    def verify(self, tokens: List[int]) -> None:
-        """Queue one forward over ``tokens`` (:meth:`verified` reads it;
-        host work that does not need its result runs between)."""
+    def verify(self, token: int, draft: Draft, first: int) -> None:
+        """Queue one forward over the pending ``token`` and ``draft`` after
+        its first ``first`` tokens (:meth:`verified` reads it; host work
+        that does not need its result runs between). The row emits
+        ``token`` whatever the forward finds: it may be handed out before."""
 
     def verified(self) -> List[int]:
         """The tokens sampled after each token :meth:`verify` fed."""
@@ -235,7 +237,7 @@ def _verify(target: Target, row: Row, token: int, draft: Draft, first: int, sinc
     the device last waited for the host."""
     stats = target.policy.stats
     stats.waited(time.perf_counter() - since, False)
-    target.verify([token] + draft.tokens[first:])
+    target.verify(token, draft, first)
     row.grow()
     yield
     targets = target.verified()
@@ -259,6 +261,8 @@ class Verification:
     logprobs: List[mx.array]  # each position's, 1-D
     states: Optional[List[mx.array]]  # the random state after each draw
     started: float  # when it was queued (the consumer's time moves it)
+    first: int  # 1: its first token is the draft's, confirmed before
+    source: str  # the draft's source
     targets: Optional[List[int]] = None
     since: int = 0  # once committed: the positions the cache holds since ``saved``
     kept: Optional[mx.array] = None  # once committed: the tokens it kept
@@ -352,8 +356,9 @@ class ModelTarget:
         self.out.append((t, logprobs, False))
         self.row.stepped(t)
 
-    def verify(self, tokens: List[int]) -> None:
+    def verify(self, token: int, draft: Draft, first: int) -> None:
         self.plain_at = None
+        tokens = [token] + draft.tokens[first:]
         fed = mx.array(tokens, mx.uint32)
         saved = rollback.checkpoint(self.cache)
         started = time.perf_counter()
@@ -362,7 +367,12 @@ class ModelTarget:
         # the tokens: the consumer reads them while the next forward runs.
         logprobs = mx.split(logprobs.reshape(-1), fed.size)
         mx.async_eval(y, logprobs)
-        self.queued = Verification(saved, tokens, fed, y, logprobs, states, started)
+        self.queued = Verification(saved, tokens, fed, y, logprobs, states, started, first,
+                                   draft.source)
+        # The pending token is the model's already: the consumer has it while
+        # the forward runs (where a settled step drafted after it, as soon as
+        # a plain step would have given it).
+        self.out.append((token, self.logprobs, bool(first)))
 
     def verified(self) -> List[int]:
         v, self.queued = self.queued, None
@@ -379,7 +389,6 @@ class ModelTarget:
         sampling.rewind(v.states, a + 1)
         self._in_cache(a + 1)
         emitted = v.fed[: a + 1]  # (the list: reading ``kept`` would wait for an evaluation)
-        self.out.append((emitted[0], self.logprobs, bool(first)))
         self.out.extend(zip(emitted[1:], v.logprobs[:a], [True] * a))
         self.row.emit(emitted, a + first, draft.source)
         self.y, self.logprobs = mx.array([v.targets[a]], mx.uint32), v.logprobs[a]
@@ -431,11 +440,17 @@ class ModelTarget:
     def take_back(self, unyielded: List[Emitted]) -> None:
         """The consumer stopped before the ``unyielded`` emitted tokens:
         they leave the cache (they are the last verification's) and the
-        row's counts, and so does a verification queued after them (its
-        every position)."""
+        row's counts, and so does a verification queued after them: its
+        every position, but its first token's where the consumer has it
+        (the row emitted it)."""
         if self.queued is not None:
             q, self.queued = self.queued, None
-            rollback.undo(self.cache, q.saved, q.tokens.size, q.tokens.size)
+            if unyielded:
+                rollback.undo(self.cache, q.saved, q.tokens.size, q.tokens.size)
+                unyielded = unyielded[:-1]
+            else:
+                self._undo(q.saved, q.tokens.size, q.tokens.size - 1, q.tokens[:1])
+                self.row.emit(q.fed[:1], q.first, q.source)
         n = len(unyielded)
         if n:
             v = self.last

@@ -308,7 +308,7 @@ def _replay_with_model(credit: Optional[float] = None, in_prompt: bool = False
     kinds = []
     plain, verify = target.plain, target.verify
     target.plain = lambda: (kinds.append("plain"), plain())[1]  # type: ignore[method-assign]
-    target.verify = lambda t: (kinds.append("verify"), verify(t))[1]  # type: ignore[method-assign]
+    target.verify = lambda *a: (kinds.append("verify"), verify(*a))[1]  # type: ignore[method-assign]
     for _ in decode(target, row):
         pass
     row.finish()
@@ -343,3 +343,31 @@ def test_a_spent_credit_hands_the_trees_long_draft_to_the_draft_model():
     drafter, kinds = _replay_with_model(credit=-10.0, in_prompt=True)
     assert sum(drafter.stats.source_accepted.values()) >= 0.7 * 100
     assert kinds.count("plain") < 10
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_the_pending_token_is_handed_out_while_its_verification_runs(family, tiny_family_path):
+    """A row with a draft model verifies from its first step after the
+    pending token; that token is the model's already, so the consumer has
+    it once the verification is queued (the first token as soon as stock's
+    step gives it), not once it is read. Closing after any token leaves
+    both models' cache a fresh prefill of the prompt and the tokens given
+    (the queued verification's drafts leave, the token given stays)."""
+    model, tokenizer = _load(tiny_family_path(family))
+    prompt = _prompts(tokenizer, 2)[1]
+    ref = _stock(model, prompt)
+    drafter = _with_draft(model, model, _every(3))
+    gen = suffix_generate_step(mx.array(prompt), model, drafter, max_tokens=MAX_TOKENS)
+    next(gen)
+    assert drafter.stats.source_drafted.get("model", 0) == 0  # none verified yet
+    gen.close()
+    for stop in range(1, MAX_TOKENS):
+        drafter = _with_draft(model, model, _every(3))
+        cache = drafter.draft_model.pair(model).make_cache()
+        gen = suffix_generate_step(mx.array(prompt), model, drafter, max_tokens=MAX_TOKENS,
+                                   prompt_cache=cache)
+        toks = [t for t, _, _ in (next(gen) for _ in range(stop))]
+        gen.close()
+        assert toks == ref[:stop]
+        _assert_cache_is_fresh_prefill(drafter.draft_model.pair(model), cache, prompt + toks,
+                                       f"{family}: closed after {stop} tokens")

@@ -221,11 +221,11 @@ class _Scripted(SuffixDrafter):
 @pytest.mark.parametrize("wrong", [None, 2], ids=["all-accepted", "2-of-4-accepted"])
 @pytest.mark.parametrize("short", [False, True], ids=["long-prompt", "short-prompt"])
 def test_close_in_the_middle_of_a_draft(family, wrong, short):
-    """Close the generator right after the first token of a draft whose next
-    token was accepted too (so it is in the cache, never yielded): the cache
-    must still be a fresh prefill of prompt + yielded tokens. The draft is
-    stock's next 4 tokens, all right or the 3rd wrong (2 accepted: the
-    rollback restores and feeds them again before the close); the prompt
+    """Close the generator right after the first token of a draft, which a
+    plain forward confirmed and which is handed out while the verification
+    of the rest is queued (its positions in the cache, never yielded): the
+    cache must still be a fresh prefill of prompt + yielded tokens. The
+    draft is stock's next 4 tokens, all right or the 3rd wrong; the prompt
     overflows the sliding window or not."""
     name, model, tokenizer = family
     prompt = _prompts(tokenizer)[-1 if short else 0]
@@ -236,10 +236,10 @@ def test_close_in_the_middle_of_a_draft(family, wrong, short):
     out = [(r.token, r.from_draft) for r in itertools.islice(gen, 4)]
     gen.close()
     toks = [t for t, _ in out]
-    # Token 4 (the draft's first, confirmed by the pipelined step) and 5 are
-    # accepted; only token 4 is yielded: the others leave the counts again.
+    # Token 4 (the draft's first, confirmed by the pipelined step) is
+    # yielded and counted; the queued verification of the rest is taken back.
     assert [f for _, f in out] == [False] * 3 + [True] and drafter.stats.accepted == 1
-    assert drafter.stats.accepted_per_position.get(1) == 0
+    assert drafter.stats.accepted_per_position == {0: 1}
     assert toks == ref[:4]
     _assert_cache_is_fresh_prefill(model, cache, prompt + toks, f"{name}: closed mid-draft")
 

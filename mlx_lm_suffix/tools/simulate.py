@@ -290,7 +290,8 @@ class Replay:
         self.at += 1
         self._queued = True
 
-    def verify(self, tokens: List[int]) -> None:
+    def verify(self, token: int, draft: Any, first: int) -> None:
+        tokens = [token] + draft.tokens[first:]
         self._fed, self._queued, self._plain_run = tokens, False, False
         self.total += self.cost(len(tokens) - 1)
         self._waits()
