@@ -499,7 +499,9 @@ def test_draft_script_agrees_on_a_share_of_positions():
     # The guide: the scripted token of the answer position, and A as its estimate.
     assert script.guide([1] * 50) == (script.token(0, 5), 0.75)
     assert script.guide([1] * 50 + [5, 6]) == (script.token(2, 2), 0.75)  # EOS after it
-    assert script.guide([1] * 50 + [9]) is None  # off the script
+    # Off the script (after a wrong draft token): by position, as sure.
+    assert script.guide([1] * 50 + [9]) == (script.token(1, 6), 0.75)
+    assert script.guide([1] * 50 + [9, 9, 9]) is None  # past the answer's end
 
 
 def test_stock_draft_counts_follow_its_rounds():

@@ -389,8 +389,11 @@ class DraftScript:
     Two arms that draft with it see drafts of the same quality at the same
     positions: stock's speculative decoding through :class:`ScriptedDraft`,
     the plugin's :class:`~mlx_lm_suffix.sources.draft_model.DraftModel`
-    through :meth:`guide`. Off the script (after a wrong token) the guide
-    names nothing (the draft model's own greedy token)."""
+    through :meth:`guide`. After a wrong token of its own the guide goes on
+    by position, with the same estimate: a draft model's confidence need
+    not drop where it went wrong, and its estimates must not tell the
+    policy which of its tokens fail (the draft model's own probabilities,
+    a random model's, near zero, told it)."""
 
     #: Tokens of a context's head that key the answers found before.
     KEY = 16
@@ -428,16 +431,14 @@ class DraftScript:
 
     def position(self, context: Sequence[int]) -> Optional[Tuple[int, List[int]]]:
         """``(i, reference)``: the context ends ``i`` tokens into the answer
-        to a scripted prompt, on the script; None elsewhere (a context whose
-        answer left the script costs one comparison: its prompt is known)."""
+        to a scripted prompt, found on the script (once; afterwards by
+        length, on the script or off it after a wrong draft token); None
+        elsewhere."""
         key = tuple(context[: self.KEY])
         n = len(context)
         for p, anchor, ref in self._known.get(key, ()):
             if p <= n and tuple(context[p - len(anchor) : p]) == anchor:
-                done = n - p
-                if done <= len(ref) and list(context[p:]) == ref[:done]:
-                    return done, ref
-                return None  # this prompt's answer, off the script
+                return (n - p, ref) if n - p <= len(ref) else None
         found = self._locator.locate(context)
         if found is None:
             return None
