@@ -1339,9 +1339,11 @@ def run_server_arms(
     order), interleaved: the sessions go in waves of ``concurrency``, each
     wave to every server in turn, in an order that alternates from wave to
     wave, so that the machine's drift weighs on every server alike. A
-    server's time is the sum of its waves'. ``matched_reference``: as for
-    :func:`run_inprocess_arms` (real output: each answer's text against the
-    stock server's)."""
+    server's time is the sum of its waves'. ``matched_reference``: the
+    stock server's, as for :func:`run_inprocess_arms`; every other server's,
+    whether each answer's text is the stock server's (scripted or not: where
+    the script cannot steer a request, a prompt cache's hit leaving its
+    processors too short a context, the model's own output is compared)."""
     sessions: Dict[str, List[Request]] = {}
     for r in requests:
         sessions.setdefault(r.session, []).append(r)
@@ -1371,8 +1373,8 @@ def run_server_arms(
                 for f in [pool.submit(run_session, name, reqs) for reqs in wave]:
                     f.result()
             walls[name] += time.perf_counter() - t0
-    if not scripted and "stock" in texts:
-        # Real output: each server's answer against the stock server's.
+    if "stock" in texts:
+        # Each server's answer against the stock server's.
         for name in names:
             if name != "stock":
                 for key, (s, text) in texts[name].items():
