@@ -109,9 +109,9 @@ def test_the_simulator_caps_as_the_loop(setting, monkeypatch):
     _, prompt, ref = setting
     fed, verify = [], simulate.Replay.verify
 
-    def spy(self, tokens):
-        fed.append((self.at, len(tokens)))
-        return verify(self, tokens)
+    def spy(self, token, draft, first):
+        fed.append((self.at, 1 + len(draft.tokens) - first))
+        return verify(self, token, draft, first)
 
     monkeypatch.setattr(simulate.Replay, "verify", spy)
     drafter = _oracle(ref)
@@ -259,9 +259,9 @@ def test_a_verification_grows_the_trees_while_its_forward_runs(setting, monkeypa
         req = row.drafter._active[row.req]
         return len(row._tokens) + len(req.response) - 1 - req.planted
 
-    def queue(self, tokens):
+    def queue(self, *args):
         seen.append([ungrown(self.row)])
-        return verify(self, tokens)
+        return verify(self, *args)
 
     def read(self):
         seen[-1].append(ungrown(self.row))
