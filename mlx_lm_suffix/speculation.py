@@ -503,11 +503,12 @@ def _model_drafts(rows: Sequence[Row], drafts: List[Draft], asking: List[int], c
     :meth:`~mlx_lm_suffix.policy.rules.Policy.model_steps` says (one
     batched run for every row of the driver)."""
     policy = driver.policy
-    want, rates = [], []
+    want, rates, usable = [], [], {}
     for i, k in zip(asking, caps):
         f, t = rate = policy.model_rate(rows[i].trust)
         expected = f * (k if t >= 1.0 else (1.0 - t ** k) / (1.0 - t))
-        if not drafts[i] or sum(policy.usable(drafts[i], not settled)) < expected:
+        usable[i] = policy.usable(drafts[i], not settled) if drafts[i] else 0.0
+        if not drafts[i] or usable[i] < expected:
             want.append(i)
             rates.append(rate)
     if not want:
@@ -531,7 +532,7 @@ def _model_drafts(rows: Sequence[Row], drafts: List[Draft], asking: List[int], c
         d = Draft(tokens[i][:n], cumulative, source="model", trust=rows[i].trust)
         policy.drafted(d)
         rows[i].spent(seconds / len(want))
-        if policy.better(drafts[i], d, not settled) is d:
+        if policy.better(drafts[i], usable[i], d) is d:
             rows[i].drafted(d, settled)
             drafts[i] = d
 

@@ -146,10 +146,17 @@ class Policy:
             chosen = best_length(self.probs(draft), self.cost, pipelined, replay, budget,
                                  self.wait_s)
             n = chosen if budget is not None else self._explore(chosen, n)
-            trust = getattr(draft, "trust", None)
-            if trust is not None and draft.source != "model":
-                n = self.affordable(n, trust.credit, pipelined, replay)
+            n = self._credit_cut(draft, n, pipelined, replay)
         return 0 if pipelined and n < 2 else n
+
+    def _credit_cut(self, draft: Any, n: int, pipelined: bool, replay: bool = False) -> int:
+        """``n`` tokens of ``draft``, as many as its request's credit affords
+        (:meth:`affordable`); a draft model's drafts and a draft of no
+        request are not bound by it."""
+        trust = getattr(draft, "trust", None)
+        if trust is None or draft.source == "model":
+            return n
+        return self.affordable(n, trust.credit, pipelined, replay)
 
     def affordable(self, n: int, credit: float, pipelined: bool, replay: bool = False) -> int:
         """The most of ``n`` draft tokens whose verification, rejected at
@@ -309,27 +316,25 @@ class Policy:
     def _cost(self, n: int, rows: int) -> float:
         return self.cost(n) if rows == 1 else self.cost(n, rows=rows)
 
-    def usable(self, draft: Any, pipelined: bool) -> List[float]:
-        """The scaled estimates (:meth:`probs`) of the tokens of ``draft``
-        a verification may take: those the request's credit affords
-        (:meth:`affordable`; a draft model's, all of them)."""
+    def usable(self, draft: Any, pipelined: bool) -> float:
+        """The tokens of ``draft`` a verification is expected to have
+        accepted, of those it may take: its scaled estimates (:meth:`probs`)
+        summed, as far as the request's credit affords (:meth:`_credit_cut`)."""
         probs = self.probs(draft)
-        trust = getattr(draft, "trust", None)
-        if probs and self.cost_aware and trust is not None and draft.source != "model":
-            probs = probs[: self.affordable(len(probs), trust.credit, pipelined)]
-        return probs
+        if probs and self.cost_aware:
+            probs = probs[: self._credit_cut(draft, len(probs), pipelined)]
+        return sum(probs)
 
-    def better(self, tree: Any, model: Any, pipelined: bool) -> Any:
-        """Of a row's draft from the trees and from the draft model, the one
-        expected to have more tokens accepted (as the policy scales their
-        estimates, the trees' cut to what the request's credit affords:
-        :meth:`usable`); the trees' on a tie (they cost no forward to go
-        on)."""
+    def better(self, tree: Any, usable: float, model: Any) -> Any:
+        """Of a row's draft from the trees (``usable``: its :meth:`usable`)
+        and from the draft model, the one expected to have more tokens
+        accepted (as the policy scales their estimates); the trees' on a tie
+        (they cost no forward to go on)."""
         if not model:
             return tree
         if not tree:
             return model
-        return model if sum(self.probs(model)) > sum(self.usable(tree, pipelined)) else tree
+        return model if sum(self.probs(model)) > usable else tree
 
     def record(self, draft: Any, verified: int, accepted: int) -> None:
         """Learn from a verified draft: its first ``verified`` tokens were
