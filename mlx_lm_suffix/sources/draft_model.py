@@ -54,6 +54,17 @@ def cache_list_of(model: Any) -> List[Any]:
     return make_prompt_cache(model)
 
 
+def vocabulary_problem(target: Any, draft: Any) -> Optional[str]:
+    """Why ``draft`` cannot draft for ``target``: their vocabularies
+    (``args.vocab_size``) differ; None where they match or either names
+    none."""
+    ours, theirs = (getattr(getattr(m, "args", None), "vocab_size", None) for m in (draft, target))
+    if isinstance(ours, int) and isinstance(theirs, int) and ours != theirs:
+        return (f"the draft model's vocabulary ({ours} tokens) is not the model's ({theirs}): "
+                "a draft model needs the model's tokenizer")
+    return None
+
+
 class Paired:
     """A target model and its draft model as one model (see the module
     docstring): its cache list is the target's with the draft model's
@@ -126,11 +137,9 @@ class DraftModel:
             return target
         paired = self._pairs.get(target)
         if paired is None:
-            ours, theirs = (getattr(getattr(m, "args", None), "vocab_size", None)
-                            for m in (self.model, target))
-            if isinstance(ours, int) and isinstance(theirs, int) and ours != theirs:
-                raise ValueError(f"the draft model's vocabulary ({ours} tokens) is not the "
-                                 f"model's ({theirs}): a draft model needs the model's tokenizer")
+            problem = vocabulary_problem(target, self.model)
+            if problem:
+                raise ValueError(problem)
             paired = Paired(target, self.model)
             self._pairs.set(target, paired)
         return paired
