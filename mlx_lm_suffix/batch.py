@@ -179,6 +179,10 @@ class SuffixGenerationBatch(GenerationBatch):
         self.phase = Phase.STEP
         self.held: Optional[Verification] = None
         self._returned = 0.0
+        # When the last plain step's tokens were read, where the next plain
+        # step's time is a plain step's (None: a verification, rows that
+        # joined or left, or prefill came between).
+        self._plain_at: Optional[float] = None
         # Rows that left during a call, finished once its forward is queued.
         self._leaving: Optional[List[Row]] = None
         #: ``budget(joined)``: whether a step must be stock's alone (rows
@@ -190,7 +194,14 @@ class SuffixGenerationBatch(GenerationBatch):
         #: it); set by :class:`SuffixBatchGenerator`.
         self.prefilling: Callable[[], bool] = lambda: False
         self._verify_spans: Deque[Tuple[float, float]] = deque(maxlen=VERIFY_SPANS)
+        #: Where the rows hold their positions (None: rejected positions
+        #: roll, see :class:`~mlx_lm_suffix.rollback.SlotOrder`).
+        self.slot_order: Optional[rollback.SlotOrder] = None
         super().__init__(*args, **kwargs)
+        models = (self.model.target, self.model.draft) if isinstance(self.model, Paired) else (
+            self.model,)
+        if not any(map(internals.windowed, models)):
+            self.slot_order = rollback.SlotOrder()
         # (Stock's constructor fed the prompts' last tokens: nothing emitted.)
         self._add_rows(0)
 
@@ -208,21 +219,26 @@ class SuffixGenerationBatch(GenerationBatch):
             self.rows.append(row)
             if opts.arrived is not None:
                 self.draft_stats.count_wait(_waited(self._verify_spans, opts.arrived))
+            if self.slot_order is not None:
+                self.slot_order.rows.append(None)
 
     def extend(self, batch: GenerationBatch) -> None:
         self._undo_held()
         n0 = len(self.uids)
         super().extend(batch)
-        self.phase = Phase.STEP
+        self.phase, self._plain_at = Phase.STEP, None
         if isinstance(batch, SuffixGenerationBatch):
             self.rows.extend(batch.rows)
             batch.rows = []  # now owned by self
+            if self.slot_order is not None:
+                theirs = batch.slot_order
+                self.slot_order.rows += theirs.rows if theirs else [None] * (len(self.uids) - n0)
         else:
             self._add_rows(n0)
 
     def filter(self, keep: List[int]) -> None:
         self._undo_held()
-        kept = set(keep)
+        kept, self._plain_at = set(keep), None
         gone = [row for i, row in enumerate(self.rows) if i not in kept]
         if self._leaving is None:
             for row in gone:
@@ -231,11 +247,15 @@ class SuffixGenerationBatch(GenerationBatch):
             self._leaving += gone
         super().filter(keep)
         self.rows = [self.rows[i] for i in keep]
+        if self.slot_order is not None:
+            self.slot_order.keep(keep)
         if isinstance(self.model, Paired) and self.prompt_cache:
             self.model.keep_rows(self.prompt_cache, keep)
 
     def extract_cache(self, idx: int) -> List[Any]:
         self._undo_held()
+        if self.slot_order is not None:
+            rollback.in_order(self.prompt_cache, self.slot_order, idx)
         return super().extract_cache(idx)
 
     def finish_all(self) -> None:
@@ -260,6 +280,7 @@ class SuffixGenerationBatch(GenerationBatch):
         try:
             return self._call()
         finally:
+            self._returned = time.perf_counter()
             leaving, self._leaving = self._leaving, None
             for row in leaving:
                 row.finish()
@@ -268,8 +289,12 @@ class SuffixGenerationBatch(GenerationBatch):
         """One call's steps (see :class:`Phase`)."""
         if not self.uids:
             return []
-        if self.held is not None:  # (the caller's time is not the verification's)
-            self.held.started += time.perf_counter() - self._returned
+        # The caller's time is not the forwards' queued before it.
+        away = time.perf_counter() - self._returned
+        if self.held is not None:
+            self.held.started += away
+        if self._plain_at is not None:
+            self._plain_at += away
         if not self._can_draft():
             return self._stock_step()
         plain, budget = self.budget(any(row.emitted == 0 for row in self.rows))
@@ -314,7 +339,7 @@ class SuffixGenerationBatch(GenerationBatch):
                     stats.waited(time.perf_counter() - since, False)
                     v = self.verify(pending, drafts, 0)
                     if out:
-                        self.phase, self.held, self._returned = Phase.HELD, v, time.perf_counter()
+                        self.phase, self.held = Phase.HELD, v
                         break
                     out += self._settle(v)
                     continue
@@ -391,6 +416,12 @@ class SuffixGenerationBatch(GenerationBatch):
         after them is queued, rows that finish leave."""
         rows = self.rows
         responses = super().next()
+        now = time.perf_counter()
+        if self._plain_at is not None and self.drafter is not None:
+            # From the last plain step's tokens to these: a plain step's
+            # time, as a verification's is its forward's.
+            self.policy.observe_plain(now - self._plain_at, len(rows))
+        self._plain_at = None if self.prefilling() else now
         for row, r in zip(rows, responses):  # (one response a row, in order)
             row.stepped(r.token)
         stats = self.draft_stats
@@ -414,7 +445,7 @@ class SuffixGenerationBatch(GenerationBatch):
         right-padded to the longest; logits processors run per position
         over the row's tokens so far, and each row samples all its
         positions. The rows' trees grow while it runs."""
-        started = time.perf_counter()
+        started, self._plain_at = time.perf_counter(), None
         inputs = [[p] + d.tokens[first:] for p, d in zip(pending, drafts)]
         width = max(map(len, inputs))
         saved = rollback.checkpoint(self.prompt_cache)
@@ -469,7 +500,8 @@ class SuffixGenerationBatch(GenerationBatch):
             emitted.append(out)
             finish.append(reason)
         # Each row's cache back to the tokens it emitted.
-        replayed = rollback.undo_rows(self.prompt_cache, v.saved, W, [W - len(e) for e in emitted])
+        replayed = rollback.undo_rows(self.prompt_cache, v.saved, W, [W - len(e) for e in emitted],
+                                      self.slot_order, [len(t) for t in self.tokens])
         if replayed:
             rollback.replay_rows(self.model, self.prompt_cache, emitted)
             for row, e in zip(self.rows, emitted):

@@ -33,6 +33,22 @@ def filled(cache: Any) -> int:
     return cache._idx
 
 
+# mlx-lm 0.32.2 model arguments that name an attention window (the
+# ModelArgs of its families with sliding-window layers), and the layer types
+# some of them list instead.
+WINDOW_ARGS = ("sliding_window", "window_size", "sliding_window_size",
+               "attention_window_size", "loop_window_size", "sliding_window_pattern")
+
+
+def windowed(model: Any) -> bool:
+    """Whether ``model``'s configuration names an attention window (then a
+    mask may read a cache's positions by slot)."""
+    args = getattr(model, "args", None)
+    if any(getattr(args, name, None) for name in WINDOW_ARGS):
+        return True
+    return any("sliding" in str(t) for t in getattr(args, "layer_types", None) or ())
+
+
 # mlx-lm 0.32.2 BatchRotatingKVCache._offset (positions fed, padding
 # included, since the batch cache was made; merge starts it at the buffer's
 # length) and _idx (its write index).

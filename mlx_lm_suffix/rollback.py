@@ -177,16 +177,51 @@ class Recurrent(Kind):
 class Rows(Kind):
     """``BatchKVCache``: trim every row, rolling each row's extra rejected
     positions into its left padding (the move ``finalize`` makes for
-    right-padded prompts)."""
+    right-padded prompts), or swapping them there (:meth:`swap_rows`)."""
 
-    # mlx-lm 0.32.2 fields: left_padding (per row, an array); its filled
-    # length (internals.filled).
+    # mlx-lm 0.32.2 fields: keys, values (rows x heads x slots x dims),
+    # offset and left_padding (per row, arrays); its filled length
+    # (internals.filled).
 
     def trim_rows(self, c: Any, n: int, extra: Sequence[int]) -> None:
         self.trim(c, n)
         if any(extra):
             c.prepare(right_padding=list(extra))
             self.finalize(c)
+
+    def swap_rows(self, c: Any, n: int, extra: Sequence[int], held: Sequence[int]) -> None:
+        """As :meth:`trim_rows`, but row ``i``'s first ``extra[i]`` slots
+        become its left padding, the held positions among them (``held[i]``
+        it holds after) copied over its last rejected ones: a few positions
+        a row move, not the cache (see :class:`SlotOrder`)."""
+        self.trim(c, n)
+        if c.keys is None or not any(extra):
+            return
+        moves = [(i, min(e, h)) for i, (e, h) in enumerate(zip(extra, held)) if e]
+        rows = mx.array([i for i, m in moves for _ in range(m)])
+        front = c.left_padding[rows] + mx.array([j for _, m in moves for j in range(m)])
+        end = internals.filled(c)
+        back = mx.array([end - m + j for _, m in moves for j in range(m)])
+        c.keys[rows, :, back] = c.keys[rows, :, front]
+        c.values[rows, :, back] = c.values[rows, :, front]
+        moved = mx.array(list(extra))
+        c.offset = c.offset - moved
+        c.left_padding = c.left_padding + moved
+
+    def put_in_order(self, c: Any, row: int, order: Sequence[int]) -> None:
+        """Row ``row``'s held positions back in the order they were fed,
+        ``order[j]`` the position (from its first) its ``j``-th held slot holds."""
+        if c.keys is None:
+            return
+        moved = [(j, k) for j, k in enumerate(order) if j != k]
+        if not moved:
+            return
+        lp = c.left_padding[row]
+        rows = mx.array([row] * len(moved))
+        src = lp + mx.array([j for j, _ in moved])
+        dst = lp + mx.array([k for _, k in moved])
+        c.keys[rows, :, dst] = c.keys[rows, :, src]
+        c.values[rows, :, dst] = c.values[rows, :, src]
 
     def length(self, c: Any) -> Optional[int]:
         return internals.filled(c)
@@ -373,24 +408,83 @@ def plan(rejected: Sequence[int]) -> Tuple[int, List[int]]:
     return common, [r - common for r in rejected]
 
 
-def undo_rows(cache: List[Any], saved: Checkpoint, fed: int, rejected: Sequence[int]) -> bool:
+class SlotOrder:
+    """Where the rows of a batch's ``BatchKVCache`` layers hold their
+    positions, so that a row's extra rejected positions can leave it without
+    a copy of the cache.
+
+    A row holds its positions in the slots after its left padding, and the
+    attention mask lets a new position attend to every one of them: their
+    keys were rotated by their own positions when they were written, so
+    attention does not depend on which slot holds which. So a row that
+    rejects ``e`` more positions than the batch's common trim needs no roll
+    (a copy of every layer's whole cache, the cost of a forward): its first
+    ``e`` held slots are copied over the ``e`` rejected ones and become left
+    padding (:meth:`Rows.swap_rows`; a row holding fewer positions than
+    that moves all of them). Its slots are then out of the order
+    they were fed, which only reading a row out of the batch needs
+    (``extract``: a prompt cache trims a sequence from its end); this keeps
+    each row's order, ``None`` while it is the fed order, and
+    :func:`in_order` puts a row back before it is read. Models whose
+    configuration names an attention window (``internals.windowed``) keep
+    rolling: a windowed mask reads positions by slot."""
+
+    def __init__(self) -> None:
+        #: Per row: ``order[j]``, the position (from its first) that its
+        #: ``j``-th held slot holds, up to its last swap (later slots are
+        #: in order); None: all in order.
+        self.rows: List[Optional[List[int]]] = []
+
+    def swapped(self, extra: Sequence[int], held: Sequence[int]) -> None:
+        """Rows whose first ``extra[i]`` held slots went to their end,
+        ``held[i]`` positions held after."""
+        for i, (e, n) in enumerate(zip(extra, held)):
+            if e:
+                order = self.rows[i] or []
+                full = order + list(range(len(order), n))
+                self.rows[i] = full[e:n] + full[: min(e, n)]
+
+    def keep(self, keep: Sequence[int]) -> None:
+        self.rows = [self.rows[i] for i in keep]
+
+
+def in_order(cache: List[Any], order: SlotOrder, row: int) -> None:
+    """Row ``row``'s held positions, in every ``BatchKVCache`` layer, back in
+    the order they were fed (see :class:`SlotOrder`)."""
+    slots = order.rows[row]
+    if slots is None:
+        return
+    for c, kind in _kinds(cache, BATCH):
+        if kind is ROWS:
+            kind.put_in_order(c, row, slots)
+    order.rows[row] = None
+
+
+def undo_rows(cache: List[Any], saved: Checkpoint, fed: int, rejected: Sequence[int],
+              order: Optional[SlotOrder] = None, held: Sequence[int] = ()) -> bool:
     """Drop the last ``rejected[i]`` of the ``fed`` positions fed to row
     ``i`` since ``saved``. Returns whether every row went back to the
     checkpoint instead, so that each row's kept tokens must be fed again
     (:func:`replay_rows`).
 
     Where no layer restores, all rows are trimmed by the smallest count and
-    each row's remaining rejected positions are rolled into its left
-    padding, which the attention mask ignores (the move ``finalize`` makes
-    for right-padded prompts; it copies the cache, so it is skipped when
-    every row rejects the same count)."""
+    each row's remaining rejected positions leave its ``BatchKVCache``
+    layers: with ``order`` (the batch's :class:`SlotOrder`; ``held[i]``: the
+    positions row ``i`` holds after) swapped into its left padding, else
+    rolled there (the move ``finalize`` makes for right-padded prompts: it
+    copies the cache). The attention mask ignores left padding."""
     if not any(rejected):
         return False
     kinds = _kinds(cache, BATCH)
     if all(kind.can_trim(c) for c, kind in kinds):
         common, extra = plan(rejected)
         for c, kind in kinds:
-            kind.trim_rows(c, common, extra)
+            if order is not None and kind is ROWS:
+                kind.swap_rows(c, common, extra, held)
+            else:
+                kind.trim_rows(c, common, extra)
+        if order is not None:
+            order.swapped(extra, held)
         return False
     _rewind(kinds, saved, fed)
     return True

@@ -500,8 +500,10 @@ def _model_drafts(rows: Sequence[Row], drafts: List[Draft], asking: List[int], c
     hold fewer tokens than its own (each row's chance a model token holds,
     :meth:`~mlx_lm_suffix.policy.rules.Policy.model_rate`, over its cap),
     as many steps as
-    :meth:`~mlx_lm_suffix.policy.rules.Policy.model_steps` says (one
-    batched run for every row of the driver)."""
+    :meth:`~mlx_lm_suffix.policy.rules.Policy.model_steps` says, or where it
+    says none, now and then a probe's
+    (:meth:`~mlx_lm_suffix.policy.rules.Policy.probe`; one batched run for
+    every row of the driver)."""
     policy = driver.policy
     want, rates, usable = [], [], {}
     for i, k in zip(asking, caps):
@@ -513,7 +515,9 @@ def _model_drafts(rows: Sequence[Row], drafts: List[Draft], asking: List[int], c
             rates.append(rate)
     if not want:
         return
-    steps = policy.model_steps(rates, len(rows), not settled, max(caps[asking.index(i)] for i in want))
+    cap = max(caps[asking.index(i)] for i in want)
+    steps = policy.model_steps(rates, len(rows), not settled, cap) or policy.probe(
+        len(rows), not settled, cap)
     if not steps:
         return
     drafter = rows[want[0]].drafter

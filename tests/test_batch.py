@@ -939,3 +939,82 @@ def test_batched_replays_count_per_request_and_in_the_drafter(tiny_family_path, 
     snap = drafter.snapshot()
     assert snap["replays"] == sum(u.replays for u in usages) >= stats.replays
     assert snap["replayed_tokens"] == sum(u.replayed_tokens for u in usages) == stats.replayed_tokens
+
+
+def test_a_batch_learns_its_plain_step_from_its_own_steps(model_and_tokenizer, prompts,
+                                                         monkeypatch):
+    """A batch's plain steps teach the cost of its plain step (the shape of
+    ``rows`` one-token rows), against which its verifications are priced:
+    each the time from one plain step's tokens to the next's over as many
+    rows, the caller's time between calls left out (here it takes an hour a
+    step on the batch's clock) and no step observed across rows that left."""
+    import time
+    import types
+
+    from mlx_lm_suffix import batch
+    from mlx_lm_suffix.policy import rules
+
+    model, tokenizer = model_and_tokenizer
+    plain = [prompts[0], prompts[2]]  # (nothing repeats: plain steps)
+    ref, _ = _stock_run(model, tokenizer, plain, [MAX_TOKENS, 2 * MAX_TOKENS])
+    drafter = SuffixDrafter(policy="adaptive", cost=VerifyCost({1: 1.0, 2: 2.0, 8: 8.0}))
+    skew = [0.0]
+    monkeypatch.setattr(batch, "time", types.SimpleNamespace(
+        perf_counter=lambda: time.perf_counter() + skew[0]))
+    seen, observe = [], drafter.policy.observe_plain
+    monkeypatch.setattr(drafter.policy, "observe_plain",
+                        lambda s, rows=1: (seen.append((rows, s)), observe(s, rows)))
+    gen = _suffix_gen(model, tokenizer, drafter)
+    left = []
+    tokens, _ = _run(gen, plain, [MAX_TOKENS, 2 * MAX_TOKENS],
+                     after_step=lambda: (skew.__setitem__(0, skew[0] + 3600.0),
+                                         left.append(len(gen.generation_batch.rows))))
+    gen.close()
+    assert tokens == ref
+    assert gen.draft_stats.verify_steps == 0  # (a token costs a plain step: no draft pays)
+    assert all(s < 60.0 for _, s in seen), seen
+    # Every step after the first over both rows, then over the one left, but
+    # the first after it left.
+    assert [r for r, _ in seen] == [2] * (left.count(2) - 1) + [1] * (left.count(1) - 1)
+    assert len(seen) >= rules.PLAIN_STEPS
+    assert (2, 1) in drafter.policy.cost.batch_factors
+
+
+def test_uneven_rollbacks_swap_positions_instead_of_rolling(model_and_tokenizer, prompts):
+    """Rows that reject more than the batch's common trim swap their
+    rejected positions into their left padding (a few slots, not a roll of
+    the cache): some row is held out of order during the run, every row read
+    out after every step is a fresh prefill of its tokens, and outputs are
+    stock's."""
+    model, tokenizer = model_and_tokenizer
+    ref, _ = _stock_run(model, tokenizer, prompts, [MAX_TOKENS] * len(prompts))
+    drafter, stats = SuffixDrafter(policy="fixed"), BatchDraftStats()
+    swapped, checked = [], 0
+    for _ in range(2):
+        gen = _suffix_gen(model, tokenizer, drafter, stats=stats)
+        check = _rows_are_fresh_prefills(model, gen)
+
+        def after_step(gen=gen, check=check):
+            order = gen.generation_batch.slot_order
+            swapped.append(any(r is not None for r in order.rows))
+            check()
+
+        tokens, _ = _run(gen, prompts, [MAX_TOKENS] * len(prompts), after_step=after_step)
+        gen.close()
+        assert tokens == ref
+        checked += len(check.rows)
+    assert stats.uneven_rollbacks > 0 and any(swapped)
+    assert checked > MAX_TOKENS // 2
+
+
+def test_windowed_models_roll_rejected_positions(tiny_family_path):
+    """A model whose configuration names an attention window keeps rolling
+    (a windowed mask reads positions by slot)."""
+    model, _ = load(str(tiny_family_path("gpt_oss")))
+    gen = SuffixBatchGenerator(model, SuffixDrafter(policy="fixed"))
+    assert gen.generation_batch.slot_order is None
+    gen.close()
+    model, _ = load(str(tiny_family_path("qwen3_5")))
+    gen = SuffixBatchGenerator(model, SuffixDrafter(policy="fixed"))
+    assert gen.generation_batch.slot_order is not None
+    gen.close()

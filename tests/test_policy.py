@@ -117,6 +117,20 @@ def test_batched_steps_learn_their_own_factor():
     assert frozen.batch_factors == {} and frozen(8, rows=8) == frozen.batch_prior(8, 8)
 
 
+def test_a_batch_of_fewer_rows_costs_no_more():
+    """One noisy step that prices a shape too dear does not keep it from
+    running: a batch of fewer rows at the same width costs at most what a
+    seen batch of more rows does."""
+    c = VerifyCost({1: 1.0, 2: 1.1, 8: 1.4})
+    c.observe(24, 1.5 * c.batch_prior(24, 8), rows=8)  # 8 rows x 3
+    c.observe(21, 4.0 * c.batch_prior(21, 7), rows=7)  # 7 rows x 3, during a spike
+    assert c(21, rows=7) == pytest.approx(1.5 * c.batch_prior(24, 8))
+    assert c(21, rows=7) < 4.0 * c.batch_prior(21, 7)
+    c.observe(16, 3.0 * c.batch_prior(16, 8), rows=8)  # 8 rows x 2 (the same bucket), dearer
+    assert c(21, rows=7) == pytest.approx(c.batch_prior(24, 8) * c.batch_factors[(8, 2)][0])
+    assert c(24, rows=9) == pytest.approx(c.batch_prior(24, 9) * c.batch_factors[(8, 2)][0])
+
+
 def _cum(p, n):
     """Cumulative estimates, as arctic-inference returns them."""
     return [p ** (i + 1) for i in range(n)]
@@ -633,3 +647,20 @@ def test_a_request_earns_no_more_trust_than_the_pool():
     # Failures still cut it, below the pool's.
     trust.held([1.0, 1.0], 1, 2, False, "copy")
     assert c.scale(flat, 8, "copy", trust=trust)[1] < c.scale(flat, 8, "copy")[1]
+
+
+def test_a_draft_model_not_run_is_probed_within_the_overhead():
+    """Where model_steps drafts nothing, the draft model still drafts 2
+    tokens once the plain steps since it last ran have spent OVERHEAD of
+    their time as many times as its forwards cost: 1 forward pipelined, 2
+    settled; never for the fixed policy or a cap under 2."""
+    p = Policy(cost=VerifyCost({1: 1.0, 2: 2.0}))
+    p.draft_cost = VerifyCost({1: 0.045})  # a draft forward: 4.5% of a plain step
+    calls = [p.probe(1, True, 8) for _ in range(10)]
+    assert calls == [0, 0, 0, 0, 2] * 2
+    calls = [p.probe(1, False, 8) for _ in range(10)]
+    assert calls == [0] * 8 + [2, 0]
+    assert p.probe(1, True, 1) == 0
+    fixed = Policy("fixed", cost=VerifyCost({1: 1.0}))
+    fixed.draft_cost = VerifyCost({1: 0.05})
+    assert all(fixed.probe(1, True, 8) == 0 for _ in range(20))

@@ -73,6 +73,49 @@ def test_rollback_batch_matches_per_row_content(lengths, steps):
         assert cache.offset.tolist() == [len(r) for r in rows]
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 6), min_size=1, max_size=4),
+    steps=st.lists(st.lists(st.integers(0, 5), min_size=4, max_size=4), min_size=1, max_size=5),
+    read=st.integers(0, 3),
+)
+@example(lengths=[1, 6], steps=[[5, 0, 0, 0], [0, 5, 0, 0]], read=0)  # more rejected than held
+def test_rejected_positions_swap_into_left_padding(lengths, steps, read):
+    """With a :class:`~mlx_lm_suffix.rollback.SlotOrder`, each row's extra
+    rejected positions leave without a roll: after every step a row's
+    visible slots hold exactly its accepted tokens (in some order), its
+    offset is its length, and one row put back in order reads them in the
+    order they were fed."""
+    B = len(lengths)
+    rows = [[float(100 * b + i) for i in range(n)] for b, n in enumerate(lengths)]
+    width = max(lengths)
+    cache = BatchKVCache([width - n for n in lengths])
+    x = mx.array([[0.0] * (width - len(r)) + r for r in rows]).reshape(B, 1, width, 1)
+    cache.update_and_fetch(x, x)
+    order, counter = rollback.SlotOrder(), 1000.0
+    order.rows = [None] * B
+    for rejected in steps:
+        rejected = rejected[:B]
+        K = max(rejected) + 1
+        new = [[counter + K * b + j for j in range(K)] for b in range(B)]
+        counter += K * B
+        x = mx.array(new).reshape(B, 1, K, 1)
+        saved = rollback.checkpoint([cache])
+        cache.update_and_fetch(x, x)
+        for b in range(B):
+            rows[b] += new[b][: K - rejected[b]]
+        assert not rollback.undo_rows([cache], saved, K, rejected, order, [len(r) for r in rows])
+        end, lp = cache._idx, cache.left_padding.tolist()
+        for b in range(B):
+            visible = cache.keys[b, 0, lp[b] : end, 0].tolist()
+            assert sorted(visible) == sorted(rows[b]), (b, visible, rows[b])
+        assert cache.offset.tolist() == [len(r) for r in rows]
+    b = read % B
+    rollback.in_order([cache], order, b)
+    assert order.rows[b] is None
+    assert cache.extract(b).keys.flatten().tolist() == rows[b]
+
+
 class _Opaque(KVCache):
     """A kind the table does not know."""
 

@@ -63,7 +63,7 @@ class VerifyCost:
         if rows > 1:
             known = self._batch_costs.get((n, rows))
             if known is None:
-                known = self.batch_prior(n, rows) * self._batch_factor(self._shape(n, rows))
+                known = self._batch_cost(n, rows)
                 self._batch_costs[(n, rows)] = known
             return known
         known = self._costs.get(n)
@@ -98,6 +98,19 @@ class VerifyCost:
             return min(prop, pts[last] + (pts[last] - pts[prev]) * (n - last) / (last - prev))
         lo, hi = sizes[i - 1], sizes[i]
         return pts[lo] + (pts[hi] - pts[lo]) * (n - lo) / (hi - lo)
+
+    def _batch_cost(self, n: int, rows: int) -> float:
+        """A batched forward's cost: its shape's (:meth:`_batch_factor`),
+        at most what a seen shape of as many tokens a row over more rows
+        costs (a batch of fewer rows never costs more; timing noise only
+        adds time, and a shape priced too dear by one noisy step would
+        otherwise never run again to be timed anew)."""
+        width, (_, bucket) = max(1, n // rows), self._shape(n, rows)
+        cost = self.batch_prior(n, rows) * self._batch_factor((rows, bucket))
+        for more, b in self.batch_factors:
+            if b == bucket and more > rows:
+                cost = min(cost, self.batch_prior(width * more, more) * self.batch_factors[(more, b)][0])
+        return cost
 
     def batch_prior(self, n: int, rows: int) -> float:
         """A batched forward of ``n`` tokens over ``rows`` rows, before its

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..stats import DraftStats
 from .calibration import Calibration, ModelRate, given, given_first
@@ -96,11 +96,13 @@ class Policy:
         #: the rows stepped together when one was last timed.
         self.propose_s = 0.0
         self.rows = 1
-        self._plain: List[float] = []  # plain steps' seconds not observed yet
+        # Plain steps' seconds not observed yet, by the rows they stepped.
+        self._plain: Dict[int, List[float]] = {}
         #: The draft model's forward cost (a draft step over ``n`` rows), and
         #: how often its tokens hold, over all requests.
         self.draft_cost: Optional[VerifyCost] = None
         self.model_tokens = ModelRate()
+        self._unprobed = 0.0  # plain steps' time since the draft model last ran
 
     @property
     def cost_aware(self) -> bool:
@@ -229,6 +231,7 @@ class Policy:
         if len(drafts) == 1:
             return [self.length(drafts[0], pipelined, replay, budget)]
         lengths = [len(d) for d in drafts]
+
         settled = not pipelined and any(d.source == "model" for d in drafts if d)
         if (not pipelined and not settled) or (budget is not None and not self.cost_aware):
             return [0] * len(drafts)
@@ -270,8 +273,10 @@ class Policy:
         draft model's ``k`` forwards priced (a pipelined step's first draft
         token comes with the plain forward queued, which checks it, so it
         takes ``k - 1``); 0 where none beats plain steps by the margin
-        (:data:`MARGIN`, a batch :data:`BATCH_MARGIN`), or the policy prices
-        nothing (the fixed policy drafts ``limit``).
+        (:data:`MARGIN`; :data:`BATCH_MARGIN` where some row of the batch
+        does not ask the draft model: it waits for the wider forward, as
+        :func:`best_batch_lengths` says), or the policy prices nothing (the
+        fixed policy drafts ``limit``).
 
         Shaped so because a draft model's tokens cost a forward each before
         verification, unlike the trees' (microseconds of host work), and
@@ -290,7 +295,7 @@ class Policy:
         t = sum(r[1] for r in rates) / m
         plain = self.cost(rows) if rows == 1 else self.cost(rows, rows=rows)
         draft = self.draft_cost(rows) if rows == 1 else self.draft_cost(rows, rows=rows)
-        ref = rows / plain * (MARGIN if rows == 1 else BATCH_MARGIN)
+        ref = rows / plain * (MARGIN if m == rows else BATCH_MARGIN)
         best, best_rate, expected = 0, ref, 0.0
         for k in range(1, limit + 1):
             expected += f * t ** (k - 1)
@@ -304,6 +309,32 @@ class Policy:
             if gain / step > best_rate:
                 best, best_rate = k, gain / step
         return best
+
+    def probe(self, rows: int, pipelined: bool, limit: int) -> int:
+        """Draft tokens the draft model drafts anyway in a step where
+        :meth:`model_steps` drafts none for the rows that ask it: 2 (the
+        shortest draft a pipelined step can verify), once the step's plain
+        forwards since it last ran have taken :data:`OVERHEAD` of their
+        time as many times as those draft forwards cost; else 0.
+
+        Shaped so because :meth:`model_rate` learns only from drafts the
+        draft model drafted: one whose first requests made it look unlikely
+        (a prior, or a draft at a request's very first token) would
+        otherwise never run again, however well its tokens would hold, as
+        in a batch, where its steps are priced against a dearer forward.
+        A probe's drafts are cut as any (verified only where they pay); it
+        costs at most ``OVERHEAD`` of the plain steps' time, and nothing
+        where the fixed policy prices nothing (it drafts ``limit``)."""
+        if limit < 2 or not self.cost_aware or self.draft_cost is None:
+            return 0
+        plain = self.cost(rows) if rows == 1 else self.cost(rows, rows=rows)
+        forwards = 1 if pipelined else 2
+        spent = forwards * (self.draft_cost(rows) if rows == 1 else self.draft_cost(rows, rows=rows))
+        self._unprobed += OVERHEAD * plain
+        if self._unprobed < spent:
+            return 0
+        self._unprobed = 0.0
+        return 2
 
     def observe_draft(self, steps: int, rows: int, seconds: float) -> None:
         """The draft model ran ``steps`` forwards over ``rows`` rows in
@@ -397,15 +428,22 @@ class Policy:
         if self.cost is not None:
             self.cost.observe(n, seconds, rows=rows)
 
-    def observe_plain(self, seconds: float) -> None:
-        """A pipelined plain step took ``seconds``: the mean of every
-        :data:`PLAIN_STEPS` of them is one observation of a 1-token forward
-        (an observation takes a few microseconds, as much as the rest of a
-        plain step's own work, and one step's time is the noisiest)."""
-        plain = self._plain
+    def observe_plain(self, seconds: float, rows: int = 1) -> None:
+        """A pipelined plain step over ``rows`` rows took ``seconds`` (from
+        one step's tokens to the next's): the mean of every
+        :data:`PLAIN_STEPS` of them is one observation of a 1-token forward,
+        or of a batch's plain step (an observation takes a few
+        microseconds, as much as the rest of a plain step's own work, and
+        one step's time is the noisiest). A batch's verifications are priced
+        against its plain step (:func:`best_batch_lengths`,
+        :meth:`model_steps`), so both are learnt from the batch's own steps,
+        in the same process and under the same load: the plain step's prior
+        is one sequence's forward over as many tokens, which leaves out
+        what a batch costs beyond it (each row's context, its sampling)."""
+        plain = self._plain.setdefault(rows, [])
         plain.append(seconds)
         if len(plain) == PLAIN_STEPS:
-            self.observe(1, sum(plain) / PLAIN_STEPS)
+            self.observe(rows, sum(plain) / PLAIN_STEPS, rows=rows)
             plain.clear()
 
 
