@@ -254,9 +254,10 @@ class SuffixGenerationBatch(GenerationBatch):
 
     def extract_cache(self, idx: int) -> List[Any]:
         self._undo_held()
+        cache = super().extract_cache(idx)
         if self.slot_order is not None:
-            rollback.in_order(self.prompt_cache, self.slot_order, idx)
-        return super().extract_cache(idx)
+            rollback.in_order(self.prompt_cache, cache, self.slot_order, idx)
+        return cache
 
     def finish_all(self) -> None:
         """Stop every row's drafter request (the rows stay in the batch)."""

@@ -208,20 +208,17 @@ class Rows(Kind):
         c.offset = c.offset - moved
         c.left_padding = c.left_padding + moved
 
-    def put_in_order(self, c: Any, row: int, order: Sequence[int]) -> None:
-        """Row ``row``'s held positions back in the order they were fed,
-        ``order[j]`` the position (from its first) its ``j``-th held slot holds."""
+    def put_in_order(self, c: Any, order: Sequence[int]) -> None:
+        """A row read out of a batch (``c``: the ``KVCache`` its ``extract``
+        made) in the order its positions were fed, ``order[j]`` the
+        position its ``j``-th slot holds (slots past ``order``: in order)."""
         if c.keys is None:
             return
-        moved = [(j, k) for j, k in enumerate(order) if j != k]
-        if not moved:
-            return
-        lp = c.left_padding[row]
-        rows = mx.array([row] * len(moved))
-        src = lp + mx.array([j for j, _ in moved])
-        dst = lp + mx.array([k for _, k in moved])
-        c.keys[rows, :, dst] = c.keys[rows, :, src]
-        c.values[rows, :, dst] = c.values[rows, :, src]
+        slots = [0] * len(order)
+        for j, k in enumerate(order):
+            slots[k] = j
+        take = mx.array(slots + list(range(len(order), c.keys.shape[2])))
+        c.keys, c.values = c.keys[:, :, take], c.values[:, :, take]
 
     def length(self, c: Any) -> Optional[int]:
         return internals.filled(c)
@@ -425,7 +422,8 @@ class SlotOrder:
     they were fed, which only reading a row out of the batch needs
     (``extract``: a prompt cache trims a sequence from its end); this keeps
     each row's order, ``None`` while it is the fed order, and
-    :func:`in_order` puts a row back before it is read. Models whose
+    :func:`in_order` puts a row read out back in order (a copy of that row,
+    as reading it out makes anyway). Models whose
     configuration names an attention window (``internals.windowed``) keep
     rolling: a windowed mask reads positions by slot."""
 
@@ -448,16 +446,16 @@ class SlotOrder:
         self.rows = [self.rows[i] for i in keep]
 
 
-def in_order(cache: List[Any], order: SlotOrder, row: int) -> None:
-    """Row ``row``'s held positions, in every ``BatchKVCache`` layer, back in
-    the order they were fed (see :class:`SlotOrder`)."""
+def in_order(cache: List[Any], row_cache: List[Any], order: SlotOrder, row: int) -> None:
+    """``row_cache``, row ``row`` of the batch ``cache`` read out
+    (``extract``), with every ``BatchKVCache`` layer's positions in the
+    order they were fed (see :class:`SlotOrder`)."""
     slots = order.rows[row]
     if slots is None:
         return
-    for c, kind in _kinds(cache, BATCH):
+    for (_, kind), out in zip(_kinds(cache, BATCH), layers(row_cache), strict=True):
         if kind is ROWS:
-            kind.put_in_order(c, row, slots)
-    order.rows[row] = None
+            kind.put_in_order(out, slots)
 
 
 def undo_rows(cache: List[Any], saved: Checkpoint, fed: int, rejected: Sequence[int],

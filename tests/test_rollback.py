@@ -84,8 +84,8 @@ def test_rejected_positions_swap_into_left_padding(lengths, steps, read):
     """With a :class:`~mlx_lm_suffix.rollback.SlotOrder`, each row's extra
     rejected positions leave without a roll: after every step a row's
     visible slots hold exactly its accepted tokens (in some order), its
-    offset is its length, and one row put back in order reads them in the
-    order they were fed."""
+    offset is its length, and one row read out and put back in order holds
+    them in the order they were fed."""
     B = len(lengths)
     rows = [[float(100 * b + i) for i in range(n)] for b, n in enumerate(lengths)]
     width = max(lengths)
@@ -111,9 +111,9 @@ def test_rejected_positions_swap_into_left_padding(lengths, steps, read):
             assert sorted(visible) == sorted(rows[b]), (b, visible, rows[b])
         assert cache.offset.tolist() == [len(r) for r in rows]
     b = read % B
-    rollback.in_order([cache], order, b)
-    assert order.rows[b] is None
-    assert cache.extract(b).keys.flatten().tolist() == rows[b]
+    row = [cache.extract(b)]
+    rollback.in_order([cache], row, order, b)
+    assert row[0].keys.flatten().tolist() == row[0].values.flatten().tolist() == rows[b]
 
 
 class _Opaque(KVCache):
