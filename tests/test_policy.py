@@ -664,3 +664,18 @@ def test_a_draft_model_not_run_is_probed_within_the_overhead():
     fixed = Policy("fixed", cost=VerifyCost({1: 1.0}))
     fixed.draft_cost = VerifyCost({1: 0.05})
     assert all(fixed.probe(1, True, 8) == 0 for _ in range(20))
+
+
+def test_a_batch_whose_every_row_drafts_from_the_model_takes_one_sequences_margin():
+    """Settled, where every row has a draft model's draft, the cut asks a
+    verification to beat plain steps by MARGIN, as model_steps does; where a
+    row would wait without a draft, by BATCH_MARGIN."""
+    from mlx_lm_suffix.sources import Draft
+
+    cost = VerifyCost({1: 1.0, 4: 1.0, 8: 1.36}, smoothing=0)  # 4 rows x 2: 1.36 plain steps
+    assert best_batch_lengths([[0.5]] * 4, cost, margin=policy.MARGIN) == [1] * 4
+    assert best_batch_lengths([[0.5]] * 4, cost) == [0] * 4  # BATCH_MARGIN
+    p = Policy(cost=cost)
+    model = [Draft([7], [0.5], source="model") for _ in range(4)]
+    assert p.batch_lengths(model, pipelined=False) == [1] * 4
+    assert p.batch_lengths(model[:3] + [Draft()], pipelined=False) == [0] * 4

@@ -237,7 +237,11 @@ class Policy:
             return [0] * len(drafts)
         if self.cost_aware and any(lengths):
             probs = [self.probs(d) for d in drafts]
-            chosen = best_batch_lengths(probs, self.cost, pipelined, replay, budget, self.wait_s)
+            # (Every row drafting from a draft model: none waits without a
+            # draft, the margin is one sequence's, as in model_steps.)
+            margin = MARGIN if settled and all(drafts) else BATCH_MARGIN
+            chosen = best_batch_lengths(probs, self.cost, pipelined, replay, budget, self.wait_s,
+                                        margin)
             if budget is None and self._explore(max(chosen), max(lengths)) and not any(chosen):
                 chosen = [min(n, 2) for n in lengths]
             lengths = chosen
@@ -525,6 +529,7 @@ def best_batch_lengths(
     replay: bool = False,
     budget: Optional[float] = None,
     wait: float = 0.0,
+    margin: Optional[float] = None,
 ) -> List[int]:
     """Draft lengths for the rows of a batch whose forward feeds every row's
     last committed token plus its draft. The longest row sets the forward's
@@ -545,8 +550,9 @@ def best_batch_lengths(
     rate of this step alone (often the shortest row's draft) can take more
     steps in all.
 
-    With more than one row, verifying must beat plain steps by
-    ``BATCH_MARGIN``: the rows whose drafts fail, or that have none, wait
+    With more than one row, verifying must beat plain steps by ``margin``
+    (default :data:`BATCH_MARGIN`; :meth:`Policy.batch_lengths` gives
+    :data:`MARGIN` where every row drafts from a draft model): the rows whose drafts fail, or that have none, wait
     for the wider forward, and the request that finishes last is the one
     that gained least (rows that gain finish early), so a verification that
     only breaks even on the batch's token count slows the batch down.
@@ -561,7 +567,7 @@ def best_batch_lengths(
 
     ``wait``: as for :func:`best_length`; pipelined, a check in which no
     row's first token holds costs it alone."""
-    width, _ = _best_width(probs, cost, pipelined, replay, budget, wait)
+    width, _ = _best_width(probs, cost, pipelined, replay, budget, wait, margin)
     if pipelined:
         tails = [given_first(p) for p in probs]
         return [min(len(t), width) + 1 if width and t else 0 for t in tails]
@@ -575,6 +581,7 @@ def _best_width(
     replay: bool = False,
     budget: Optional[float] = None,
     wait: float = 0.0,
+    margin: Optional[float] = None,
 ) -> Tuple[int, float]:
     """The batch width of :func:`best_batch_lengths` (of the tails, when
     ``pipelined``) and the time it saves against plain steps (0 if none
@@ -591,7 +598,8 @@ def _best_width(
     # The rows' expected accepted tokens of their first k draft tokens, by k.
     accepted = list(itertools.accumulate(
         sum(column) for column in itertools.zip_longest(*probs, fillvalue=0.0)))
-    ref = B / plain * (BATCH_MARGIN if B > 1 else 1.0)
+    margin = BATCH_MARGIN if margin is None else margin
+    ref = B / plain * (margin if B > 1 else 1.0)
     best_k, best_saved = 0, 0.0
     for k in range(1, len(accepted) + 1):
         gain = sunk_tokens + B + accepted[k - 1]
