@@ -41,12 +41,21 @@ WINDOW_ARGS = ("sliding_window", "window_size", "sliding_window_size",
 
 
 def windowed(model: Any) -> bool:
-    """Whether ``model``'s configuration names an attention window (then a
-    mask may read a cache's positions by slot)."""
+    """Whether ``model``'s configuration (or its ``text_config``, a
+    multimodal model's) names an attention window (then a mask may read a
+    cache's positions by slot)."""
     args = getattr(model, "args", None)
-    if any(getattr(args, name, None) for name in WINDOW_ARGS):
-        return True
-    return any("sliding" in str(t) for t in getattr(args, "layer_types", None) or ())
+    for config in (args, getattr(args, "text_config", None)):
+        if isinstance(config, dict):
+            get = config.get
+        else:
+            def get(name: str, config: Any = config) -> Any:
+                return getattr(config, name, None)
+        if any(get(name) for name in WINDOW_ARGS):
+            return True
+        if any("sliding" in str(t) for t in get("layer_types") or ()):
+            return True
+    return False
 
 
 # mlx-lm 0.32.2 BatchRotatingKVCache._offset (positions fed, padding

@@ -1018,3 +1018,15 @@ def test_windowed_models_roll_rejected_positions(tiny_family_path):
     gen = SuffixBatchGenerator(model, SuffixDrafter(policy="fixed"))
     assert gen.generation_batch.slot_order is not None
     gen.close()
+
+
+def test_a_window_named_in_a_text_config_counts():
+    """A multimodal model's window is named in its ``text_config`` (a dict
+    or an object), or by its layer types."""
+    from types import SimpleNamespace as NS
+
+    assert internals.windowed(NS(args=NS(text_config={"sliding_window": 512})))
+    assert internals.windowed(NS(args=NS(text_config=NS(layer_types=["sliding_attention"]))))
+    assert internals.windowed(NS(args={"window_size": 4}))
+    assert not internals.windowed(NS(args=NS(sliding_window=None, text_config=None)))
+    assert not internals.windowed(NS())
