@@ -471,6 +471,8 @@ def undo_rows(cache: List[Any], saved: Checkpoint, fed: int, rejected: Sequence[
     positions row ``i`` holds after) swapped into its left padding, else
     rolled there (the move ``finalize`` makes for right-padded prompts: it
     copies the cache). The attention mask ignores left padding."""
+    if order is not None and len(held) != len(rejected):
+        raise ValueError(f"held: {len(held)} rows, rejected: {len(rejected)}")
     if not any(rejected):
         return False
     kinds = _kinds(cache, BATCH)
