@@ -504,7 +504,8 @@ class SuffixGenerationBatch(GenerationBatch):
         replayed = rollback.undo_rows(self.prompt_cache, v.saved, W, [W - len(e) for e in emitted],
                                       self.slot_order, [len(t) for t in self.tokens])
         if replayed:
-            rollback.replay_rows(self.model, self.prompt_cache, emitted)
+            rollback.replay_rows(self.model, self.prompt_cache, emitted, self.slot_order,
+                                 [len(t) for t in self.tokens])
             for row, e in zip(self.rows, emitted):
                 row.replayed(len(e))
         self.draft_stats.count_verification(W, emitted, accepted, replayed, bool(v.first))

@@ -490,21 +490,31 @@ def undo_rows(cache: List[Any], saved: Checkpoint, fed: int, rejected: Sequence[
     return True
 
 
-def replay_rows(model: Any, cache: List[Any], tokens: Sequence[Sequence[int]]) -> None:
+def replay_rows(model: Any, cache: List[Any], tokens: Sequence[Sequence[int]],
+                order: Optional[SlotOrder] = None, held: Sequence[int] = ()) -> None:
     """Feed each row its ``tokens`` (right-padded, as mlx-lm's prompt
-    processing feeds uneven chunks: ``prepare``, forward, ``finalize``)."""
+    processing feeds uneven chunks: ``prepare``, forward, ``finalize``).
+    With ``order`` (and ``held``, as for :func:`undo_rows`) the padding
+    leaves the ``BatchKVCache`` layers by a swap, not ``finalize``'s roll."""
     lengths = [len(t) for t in tokens]
     width = max(lengths)
     padding = [width - n for n in lengths]
     inputs = mx.array([list(t) + [0] * p for t, p in zip(tokens, padding)], dtype=mx.uint32)
     kinds = _kinds(cache, BATCH)
+    swap = order is not None and any(padding)
     if any(padding):
-        for c, _ in kinds:
-            c.prepare(lengths=lengths, right_padding=padding)
+        for c, kind in kinds:
+            if not (swap and kind is ROWS):
+                c.prepare(lengths=lengths, right_padding=padding)
     model(inputs, cache=cache)
     if any(padding):
         for c, kind in kinds:
-            kind.finalize(c)
+            if swap and kind is ROWS:
+                kind.swap_rows(c, 0, padding, held)
+            else:
+                kind.finalize(c)
+        if swap:
+            order.swapped(padding, held)
 
 
 def kv_rows(cache: List[Any]) -> List[Any]:

@@ -1030,3 +1030,29 @@ def test_a_window_named_in_a_text_config_counts():
     assert internals.windowed(NS(args={"window_size": 4}))
     assert not internals.windowed(NS(args=NS(sliding_window=None, text_config=None)))
     assert not internals.windowed(NS())
+
+
+def test_a_hybrid_batch_replays_and_swaps_its_padding(tiny_family_path, prompts):
+    """Qwen3.5 (recurrent layers): a rejection sends every row back and feeds
+    each its kept tokens again, right-padded; the padding leaves the
+    attention layers by a swap, not a roll. Every row read out after every
+    step is a fresh prefill of its tokens, and outputs are stock's."""
+    model, tokenizer = load(str(tiny_family_path("qwen3_5")))
+    model.set_dtype(mx.float32)
+    ref, _ = _stock_run(model, tokenizer, prompts, [MAX_TOKENS] * len(prompts))
+    drafter, stats = SuffixDrafter(policy="fixed", num_draft_tokens=8), BatchDraftStats()
+    swapped, checked = [], 0
+    for _ in range(2):
+        gen = _suffix_gen(model, tokenizer, drafter, stats=stats)
+        check = _rows_are_fresh_prefills(model, gen)
+
+        def after_step(gen=gen, check=check):
+            swapped.append(any(r is not None for r in gen.generation_batch.slot_order.rows))
+            check()
+
+        tokens, _ = _run(gen, prompts, [MAX_TOKENS] * len(prompts), after_step=after_step)
+        gen.close()
+        assert tokens == ref
+        checked += len(check.rows)
+    assert stats.replays > 0 and any(swapped)
+    assert checked > MAX_TOKENS // 2
