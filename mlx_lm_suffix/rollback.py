@@ -418,7 +418,8 @@ class SlotOrder:
     (a copy of every layer's whole cache, the cost of a forward): its first
     ``e`` held slots are copied over the ``e`` rejected ones and become left
     padding (:meth:`Rows.swap_rows`; a row holding fewer positions than
-    that moves all of them). Its slots are then out of the order
+    that moves all of them), and so does a replay's right padding
+    (:func:`replay_rows`). Its slots are then out of the order
     they were fed, which only reading a row out of the batch needs
     (``extract``: a prompt cache trims a sequence from its end); this keeps
     each row's order, ``None`` while it is the fed order, and
