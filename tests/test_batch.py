@@ -987,24 +987,31 @@ def test_uneven_rollbacks_swap_positions_instead_of_rolling(model_and_tokenizer,
     out after every step is a fresh prefill of its tokens, and outputs are
     stock's."""
     model, tokenizer = model_and_tokenizer
+    stats = _swapping_passes(model, tokenizer, prompts, SuffixDrafter(policy="fixed"))
+    assert stats.uneven_rollbacks > 0
+
+
+def _swapping_passes(model, tokenizer, prompts, drafter):
+    """A cold and a warm batched pass of ``prompts``: outputs equal stock's,
+    every row read out after every step is a fresh prefill of its tokens,
+    and some row is held out of order (a swap) during the passes. Returns
+    their stats."""
     ref, _ = _stock_run(model, tokenizer, prompts, [MAX_TOKENS] * len(prompts))
-    drafter, stats = SuffixDrafter(policy="fixed"), BatchDraftStats()
-    swapped, checked = [], 0
+    stats, swapped, checked = BatchDraftStats(), [], 0
     for _ in range(2):
         gen = _suffix_gen(model, tokenizer, drafter, stats=stats)
         check = _rows_are_fresh_prefills(model, gen)
 
         def after_step(gen=gen, check=check):
-            order = gen.generation_batch.slot_order
-            swapped.append(any(r is not None for r in order.rows))
+            swapped.append(any(r is not None for r in gen.generation_batch.slot_order.rows))
             check()
 
         tokens, _ = _run(gen, prompts, [MAX_TOKENS] * len(prompts), after_step=after_step)
         gen.close()
         assert tokens == ref
         checked += len(check.rows)
-    assert stats.uneven_rollbacks > 0 and any(swapped)
-    assert checked > MAX_TOKENS // 2
+    assert any(swapped) and checked > MAX_TOKENS // 2
+    return stats
 
 
 def test_windowed_models_roll_rejected_positions(tiny_family_path):
@@ -1039,20 +1046,5 @@ def test_a_hybrid_batch_replays_and_swaps_its_padding(tiny_family_path, prompts)
     step is a fresh prefill of its tokens, and outputs are stock's."""
     model, tokenizer = load(str(tiny_family_path("qwen3_5")))
     model.set_dtype(mx.float32)
-    ref, _ = _stock_run(model, tokenizer, prompts, [MAX_TOKENS] * len(prompts))
-    drafter, stats = SuffixDrafter(policy="fixed", num_draft_tokens=8), BatchDraftStats()
-    swapped, checked = [], 0
-    for _ in range(2):
-        gen = _suffix_gen(model, tokenizer, drafter, stats=stats)
-        check = _rows_are_fresh_prefills(model, gen)
-
-        def after_step(gen=gen, check=check):
-            swapped.append(any(r is not None for r in gen.generation_batch.slot_order.rows))
-            check()
-
-        tokens, _ = _run(gen, prompts, [MAX_TOKENS] * len(prompts), after_step=after_step)
-        gen.close()
-        assert tokens == ref
-        checked += len(check.rows)
-    assert stats.replays > 0 and any(swapped)
-    assert checked > MAX_TOKENS // 2
+    drafter = SuffixDrafter(policy="fixed", num_draft_tokens=8)
+    assert _swapping_passes(model, tokenizer, prompts, drafter).replays > 0
