@@ -501,11 +501,11 @@ class SuffixGenerationBatch(GenerationBatch):
             emitted.append(out)
             finish.append(reason)
         # Each row's cache back to the tokens it emitted.
+        held = [len(t) for t in self.tokens]
         replayed = rollback.undo_rows(self.prompt_cache, v.saved, W, [W - len(e) for e in emitted],
-                                      self.slot_order, [len(t) for t in self.tokens])
+                                      self.slot_order, held)
         if replayed:
-            rollback.replay_rows(self.model, self.prompt_cache, emitted, self.slot_order,
-                                 [len(t) for t in self.tokens])
+            rollback.replay_rows(self.model, self.prompt_cache, emitted, self.slot_order, held)
             for row, e in zip(self.rows, emitted):
                 row.replayed(len(e))
         self.draft_stats.count_verification(W, emitted, accepted, replayed, bool(v.first))

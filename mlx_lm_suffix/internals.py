@@ -44,16 +44,14 @@ def windowed(model: Any) -> bool:
     """Whether ``model``'s configuration (or its ``text_config``, a
     multimodal model's) names an attention window (then a mask may read a
     cache's positions by slot)."""
+    def field(config: Any, name: str) -> Any:
+        return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+
     args = getattr(model, "args", None)
-    for config in (args, getattr(args, "text_config", None)):
-        if isinstance(config, dict):
-            get = config.get
-        else:
-            def get(name: str, config: Any = config) -> Any:
-                return getattr(config, name, None)
-        if any(get(name) for name in WINDOW_ARGS):
+    for config in (args, field(args, "text_config")):
+        if any(field(config, name) for name in WINDOW_ARGS):
             return True
-        if any("sliding" in str(t) for t in get("layer_types") or ()):
+        if any("sliding" in str(t) for t in field(config, "layer_types") or ()):
             return True
     return False
 

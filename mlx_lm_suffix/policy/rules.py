@@ -297,8 +297,7 @@ class Policy:
         m = len(rates)
         f = sum(r[0] for r in rates) / m
         t = sum(r[1] for r in rates) / m
-        plain = self.cost(rows) if rows == 1 else self.cost(rows, rows=rows)
-        draft = self.draft_cost(rows) if rows == 1 else self.draft_cost(rows, rows=rows)
+        plain, draft = self.cost(rows, rows=rows), self.draft_cost(rows, rows=rows)
         ref = rows / plain * (MARGIN if m == rows else BATCH_MARGIN)
         best, best_rate, expected = 0, ref, 0.0
         for k in range(1, limit + 1):
@@ -306,9 +305,9 @@ class Policy:
             if pipelined:  # the plain forward's token, then [first] + rest
                 if k < 2:
                     continue
-                step = plain + self._cost(rows * k, rows) + (k - 1) * draft + self.wait_s
+                step = plain + self.cost(rows * k, rows=rows) + (k - 1) * draft + self.wait_s
             else:
-                step = self._cost(rows * (k + 1), rows) + k * draft + self.wait_s
+                step = self.cost(rows * (k + 1), rows=rows) + k * draft + self.wait_s
             gain = rows + m * expected  # (pipelined too: f * (1 + t + ... + t ** (k - 2)) + ...)
             if gain / step > best_rate:
                 best, best_rate = k, gain / step
@@ -331,10 +330,9 @@ class Policy:
         where the fixed policy prices nothing (it drafts ``limit``)."""
         if limit < 2 or not self.cost_aware or self.draft_cost is None:
             return 0
-        plain = self.cost(rows) if rows == 1 else self.cost(rows, rows=rows)
         forwards = 1 if pipelined else 2
-        spent = forwards * (self.draft_cost(rows) if rows == 1 else self.draft_cost(rows, rows=rows))
-        self._unprobed += OVERHEAD * plain
+        spent = forwards * self.draft_cost(rows, rows=rows)
+        self._unprobed += OVERHEAD * self.cost(rows, rows=rows)
         if self._unprobed < spent:
             return 0
         self._unprobed = 0.0
@@ -347,9 +345,6 @@ class Policy:
         self.stats.model_s += seconds
         if self.draft_cost is not None and steps:
             self.draft_cost.observe(rows, seconds / steps, rows=rows)
-
-    def _cost(self, n: int, rows: int) -> float:
-        return self.cost(n) if rows == 1 else self.cost(n, rows=rows)
 
     def usable(self, draft: Any, pipelined: bool) -> float:
         """The tokens of ``draft`` a verification is expected to have
@@ -438,12 +433,13 @@ class Policy:
         :data:`PLAIN_STEPS` of them is one observation of a 1-token forward,
         or of a batch's plain step (an observation takes a few
         microseconds, as much as the rest of a plain step's own work, and
-        one step's time is the noisiest). A batch's verifications are priced
-        against its plain step (:func:`best_batch_lengths`,
-        :meth:`model_steps`), so both are learnt from the batch's own steps,
-        in the same process and under the same load: the plain step's prior
-        is one sequence's forward over as many tokens, which leaves out
-        what a batch costs beyond it (each row's context, its sampling)."""
+        one step's time is the noisiest). A batch's draft-model steps are
+        priced against its plain step (:meth:`model_steps`, :meth:`probe`;
+        so are :meth:`skips`), so both it and the verifications are learnt
+        from the batch's own steps, in the same process and under the same
+        load: the plain step's prior is one sequence's forward over as many
+        tokens, which leaves out what a batch costs beyond it (each row's
+        context, its sampling)."""
         plain = self._plain.setdefault(rows, [])
         plain.append(seconds)
         if len(plain) == PLAIN_STEPS:
