@@ -303,7 +303,8 @@ class SuffixGenerationBatch(GenerationBatch):
             self.draft_stats.yield_steps += 1
             return self._stock_step()
         self.policy.ensure_cost(self.model)  # adaptive policy: once per drafter
-        self.policy.ensure_width(self.model, len(self.uids))
+        dm = self.drafter.draft_model
+        self.policy.ensure_width(self.model, len(self.uids), dm.model if dm is not None else None)
         verified = self.draft_stats.verify_steps
         out = self._steps(budget)
         if budget is not None:

@@ -610,6 +610,27 @@ def test_a_batch_wider_than_the_curve_times_its_plain_step(tiny_model_path):
     assert fed == [1, 32] and set(frozen.cost.points) == {1, 2}
 
 
+def test_a_server_times_its_batches_widths_up_to_its_most_rows(tiny_model_path):
+    # ensure_batches: widths 8, 32, ... below the most rows, and the most
+    # rows; every batch up to them within twice a timed width. The draft
+    # model's curve too.
+    fed, drafted = [], []
+    counting = _counting_model(tiny_model_path, fed)
+    draft = _counting_model(tiny_model_path, drafted)
+    p = policy.Policy(cost=VerifyCost({1: 1.0, 2: 1.3}))
+    p.draft_cost = VerifyCost({1: 0.1, 2: 0.12})
+    p.ensure_batches(counting, 48, draft)
+    assert fed == [1, 8, 1, 32] and drafted == fed  # (48: within twice 32)
+    assert set(p.cost.points) == set(p.draft_cost.points) == {1, 2, 8, 32}
+    fed.clear()
+    for rows in range(2, 49):
+        p.ensure_width(counting, rows)
+    assert fed == []
+    small = policy.Policy(cost=VerifyCost({1: 1.0, 2: 1.3}))
+    small.ensure_batches(counting, 5)
+    assert fed == [1, 5]
+
+
 def test_a_curve_too_dear_to_remeasure_is_explored_now_and_then():
     # A 16-token verification timed in a load spike (26 plain steps, capped
     # at proportional): no draft pays on the learnt curve, so none would be

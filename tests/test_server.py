@@ -241,6 +241,23 @@ def test_server_queue_reaches_the_batch(monkeypatch, tiny_model_path):
     gen.close()
 
 
+def test_a_server_times_its_batch_widths_at_load(monkeypatch, tiny_model_path):
+    """A suffix server loading a model (and its draft model) times the
+    plain steps of the batches it may run (up to --decode-concurrency rows),
+    so that no request of its first batches waits for it."""
+    from mlx_lm_suffix.patches import serving
+
+    args = _parse(monkeypatch, "--model", str(tiny_model_path), "--draft", "suffix",
+                  "--decode-concurrency", "20")
+    state = serving.state_for(args)
+    model, tokenizer = mlx_lm.load(str(tiny_model_path))
+    draft, _ = mlx_lm.load(str(tiny_model_path))
+    entry = state.on_model_loaded(str(tiny_model_path), model, tokenizer, ("tiny",), draft)
+    policy = entry.drafter.policy
+    assert set(policy.cost.points) == {1, 2, 8, 20}
+    assert set(policy.draft_cost.points) == {1, 2, 8, 20}
+
+
 @pytest.mark.parametrize("launcher", [[SERVER], [sys.executable, "-m", "mlx_lm.server"]])
 def test_help_lists_the_flags(launcher):
     out = subprocess.run(

@@ -220,6 +220,10 @@ class SuffixServing:
                         batch_ok = rollback.supports_batch(internals.merge_caches([cache]))
                     except Exception:
                         batch_ok = False
+                    # (stock's --decode-concurrency: the most rows a batch holds)
+                    most = getattr(self.cli_args, "decode_concurrency", None)
+                    if batch_ok and isinstance(most, int) and most > 1:
+                        drafter.policy.ensure_batches(model, most, draft)
                     if not batch_ok:
                         logger.warning(
                             "mlx-lm-suffix: the batched cache of %s cannot roll rows "

@@ -120,12 +120,27 @@ class Policy:
         if self.name == "adaptive" and self.draft_cost is None:
             self.draft_cost = VerifyCost.calibrate(draft_model)
 
-    def ensure_width(self, model: Any, rows: int) -> None:
+    def ensure_width(self, model: Any, rows: int, draft_model: Any = None) -> None:
         """Before a batch of ``rows`` chooses widths: the cost of its plain
         step measured where the curve would only extrapolate it
-        (:meth:`VerifyCost.widen`)."""
+        (:meth:`VerifyCost.widen`), and of the draft model's step over its
+        rows (``draft_model``, where it has a curve)."""
         if self.cost_aware and rows > 1:
             self.cost.widen(model, rows)
+            if draft_model is not None and self.draft_cost is not None:
+                self.draft_cost.widen(draft_model, rows)
+
+    def ensure_batches(self, model: Any, most: int, draft_model: Any = None) -> None:
+        """Before a server batches up to ``most`` rows (at load, so that no
+        request waits for it): :meth:`ensure_width` for batches of 8, 32,
+        ... rows, and ``most``: every batch of up to ``most`` rows then
+        finds its plain step within twice a timed width, which is as near
+        as :meth:`ensure_width` asks."""
+        rows = 8
+        while rows < most:
+            self.ensure_width(model, rows, draft_model)
+            rows *= 4
+        self.ensure_width(model, most, draft_model)
 
     def probs(self, draft: Any) -> List[float]:
         """A :class:`~mlx_lm_suffix.drafter.Draft`'s estimates as the
