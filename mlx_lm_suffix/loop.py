@@ -307,6 +307,7 @@ class ModelTarget:
         # When the last plain step's token was ready (None: the next plain
         # step follows something else, so it is not timed).
         self.plain_at: Optional[float] = None
+        self.ahead = False  # the pending token is handed out already
 
     def forward(self, inputs: mx.array, quantize: bool = True, single: bool = False
                 ) -> Tuple[mx.array, mx.array, Any]:
@@ -353,7 +354,9 @@ class ModelTarget:
             self.policy.observe_plain(ready - self.plain_at)
         self.plain_at = ready
         self._in_cache(1)
-        self.out.append((t, logprobs, False))
+        if not self.ahead:
+            self.out.append((t, logprobs, False))
+        self.ahead = False
         self.row.stepped(t)
 
     def verify(self, token: int, draft: Draft, first: int) -> None:
@@ -372,7 +375,9 @@ class ModelTarget:
         # The pending token is the model's already: the consumer has it while
         # the forward runs (where a settled step drafted after it, as soon as
         # a plain step would have given it).
-        self.out.append((token, self.logprobs, bool(first)))
+        if not self.ahead:
+            self.out.append((token, self.logprobs, bool(first)))
+        self.ahead = False
 
     def verified(self) -> List[int]:
         v, self.queued = self.queued, None
@@ -392,6 +397,14 @@ class ModelTarget:
         self.out.extend(zip(emitted[1:], v.logprobs[:a], [True] * a))
         self.row.emit(emitted, a + first, draft.source)
         self.y, self.logprobs = mx.array([v.targets[a]], mx.uint32), v.logprobs[a]
+
+    def hand_ahead(self) -> None:
+        """Emit the pending token before the forward that feeds it is
+        queued (:meth:`plain` or :meth:`verify` then hand it out no more):
+        the first token, where the first step drafts after it, which would
+        wait for the draft and the verification's forward."""
+        self.out.append((self.y.item(), self.logprobs, False))
+        self.ahead = True
 
     def room(self) -> float:
         n = rollback.room(self.cache, self.ctx_limit)
@@ -442,7 +455,11 @@ class ModelTarget:
         they leave the cache (they are the last verification's) and the
         row's counts, and so does a verification queued after them: its
         every position, but its first token's where the consumer has it
-        (the row emitted it)."""
+        (the row emitted it). A pending token handed out ahead
+        (:meth:`hand_ahead`) enters the cache, as stock's step had queued
+        the forward that feeds it before it handed it out."""
+        if self.ahead:
+            self.plain()
         if self.queued is not None:
             q, self.queued = self.queued, None
             if unyielded:
@@ -644,6 +661,12 @@ def suffix_generate_step(
                              stream, prefill_step_size, prompt_progress_callback)
             target = ModelTarget(model, cache, row, drafter.policy, sampler, logits_processors,
                                  kv_quantization, prompt, context_limit(model), first, kv_width)
+            if settles((row,), drafter.policy):
+                # The first token as soon as the prompt's forward gave it, not
+                # after the first step's draft and verification (stock's
+                # speculative decoding gives it after its first round).
+                target.hand_ahead()
+                yield from target.hand_out()
             cleared = 0
             for _ in decode(target, row):
                 yield from target.hand_out()

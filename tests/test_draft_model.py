@@ -192,6 +192,35 @@ def test_the_policy_runs_the_draft_model_where_its_drafts_hold(tiny_family_path)
             assert runs[0] >= 5 * max(runs[-2:]) and max(runs[-2:]) <= 3 + probes, runs
 
 
+def test_a_guide_that_names_every_token_drafts_as_one_that_is_read_each_step(
+        tiny_family_path, monkeypatch):
+    """A guide that names every draft token plans the draft before the draft
+    model's forwards (no step's result read by the host): the same tokens
+    and estimates as read step by step, the guide's chain, and the draft
+    cache as before; where the guide names none, the model's own tokens."""
+    model, tokenizer = _load(tiny_family_path("qwen3"))
+    prompt = _prompts(tokenizer, 2)[1]
+    chain = lambda context: ((context[-1] * 3 + 1) % 1000, 0.5)  # noqa: E731
+    dm = DraftModel(model, chain)
+    paired = dm.pair(model)
+    cache = paired.make_cache()
+    paired(mx.array(prompt)[None], cache=cache)
+    first = mx.array([prompt[-1]], mx.uint32)
+    offset = cache[-1].caches[0].offset
+    planned = dm.draft(paired, cache, first, 5, [prompt])[:2]
+    want = [prompt[-1]]
+    for _ in range(5):
+        want.append((want[-1] * 3 + 1) % 1000)
+    assert planned == ([want[1:]], [[0.5] * 5])
+    assert cache[-1].caches[0].offset == offset
+    monkeypatch.setattr(DraftModel, "_planned", lambda self, contexts, steps: None)
+    assert dm.draft(paired, cache, first, 5, [prompt])[:2] == planned
+    dm.guide = lambda context: None
+    own = dm.draft(paired, cache, first, 5, [prompt])[:2]
+    dm.guide = None
+    assert own == dm.draft(paired, cache, first, 5, [prompt])[:2]
+
+
 # ---------------------------------------------------------------- server
 @pytest.fixture(scope="module")
 def server_logs(tmp_path_factory):
@@ -354,17 +383,20 @@ def test_a_spent_credit_hands_the_trees_long_draft_to_the_draft_model():
 def test_the_pending_token_is_handed_out_while_its_verification_runs(family, tiny_family_path):
     """A row with a draft model verifies from its first step after the
     pending token; that token is the model's already, so the consumer has
-    it once the verification is queued (the first token as soon as stock's
-    step gives it), not once it is read. Closing after any token leaves
-    both models' cache a fresh prefill of the prompt and the tokens given
-    (the queued verification's drafts leave, the token given stays)."""
+    it once the verification is queued, not once it is read; the first
+    token as soon as the prompt's forward gives it, before the draft model
+    drafts after it. Closing after any token leaves both models' cache a
+    fresh prefill of the prompt and the tokens given (the queued
+    verification's drafts leave, the token given stays)."""
     model, tokenizer = _load(tiny_family_path(family))
     prompt = _prompts(tokenizer, 2)[1]
     ref = _stock(model, prompt)
     drafter = _with_draft(model, model, _every(3))
     gen = suffix_generate_step(mx.array(prompt), model, drafter, max_tokens=MAX_TOKENS)
-    next(gen)
-    assert drafter.stats.source_drafted.get("model", 0) == 0  # none verified yet
+    assert next(gen)[0] == ref[0]
+    assert drafter.stats.model_forwards == 0  # the draft model has not drafted yet
+    assert next(gen)[0] == ref[1]
+    assert drafter.stats.model_forwards > 0
     gen.close()
     for stop in range(1, MAX_TOKENS):
         drafter = _with_draft(model, model, _every(3))

@@ -176,13 +176,17 @@ class DraftModel:
         else:
             logits = self.model(first[:, None], cache=caches)[:, -1]
             fed = 1
-        tokens, probs = [], []
+        tokens, probs, own = [], [], []
         contexts = [list(c) for c in contexts] if self.guide is not None and contexts else None
+        planned = self._planned(contexts, steps) if contexts is not None else None
         for j in range(steps):
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             t = mx.argmax(logprobs, axis=-1)
             p = mx.exp(mx.take_along_axis(logprobs, t[:, None], axis=-1)[:, 0])
-            if contexts is not None:
+            if planned is not None:  # (the model's own, computed as a draft's, unused)
+                own += [t, p]
+                t, p = planned[0][:, j], planned[1][:, j]
+            elif contexts is not None:
                 t, p = self._guided(t, p, contexts)
             tokens.append(t)
             probs.append(p)
@@ -190,10 +194,31 @@ class DraftModel:
                 logits = self.model(t[:, None], cache=caches)[:, -1]
                 fed += 1
         out = mx.stack(tokens, axis=1), mx.stack(probs, axis=1)
-        mx.eval(out)
+        mx.eval(out, own)
         if fed:
             rollback.drop(caches, saved, fed)
         return out[0].tolist(), out[1].tolist(), time.perf_counter() - tic
+
+    def _planned(self, contexts: List[List[int]], steps: int
+                 ) -> Optional[Tuple[mx.array, mx.array]]:
+        """Every row's ``steps`` tokens and estimates (rows x steps) where
+        the guide names each of them, else None. Then they are known before
+        the draft model's forwards run, which feed them in turn without the
+        host reading each forward's result (as a draft model's own tokens
+        feed its next forward); else each step's tokens are read
+        (:meth:`_guided`)."""
+        tokens, probs = [], []
+        for context in contexts:
+            context = list(context)
+            for _ in range(steps):
+                guided = self.guide(context)
+                if guided is None:
+                    return None
+                context.append(guided[0])
+                tokens.append(guided[0])
+                probs.append(guided[1])
+        shape = (len(contexts), steps)
+        return mx.array(tokens, mx.uint32).reshape(shape), mx.array(probs).reshape(shape)
 
     def _guided(self, tokens: mx.array, probs: mx.array, contexts: List[List[int]]
                 ) -> Tuple[mx.array, mx.array]:
