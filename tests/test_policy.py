@@ -1,6 +1,8 @@
 """The cost-aware draft-length policy on synthetic cost curves and
 probability vectors, and the cost model's calibration on a real model."""
 
+import time
+
 import mlx.core as mx
 import pytest
 from mlx_lm import load
@@ -584,12 +586,31 @@ def _counting_model(path, fed):
 
 def test_the_first_use_probe_feeds_a_few_tokens_where_forwards_are_slow(tiny_model_path):
     # Where each forward takes longer than min_seconds (here: every forward,
-    # min_seconds=0), the probe is the one-token context and one run of each
-    # size: 3 forwards, 4 tokens, about three plain steps' time.
+    # min_seconds=0), the probe is the one-token context and two runs of
+    # each size, taking turns: 5 forwards, 7 tokens.
     fed = []
     counting = _counting_model(tiny_model_path, fed)
     cost = VerifyCost.calibrate(counting, min_seconds=0.0)
-    assert fed == [1, 1, 2] and set(cost.points) == {1, 2}
+    assert fed == [1, 1, 2, 1, 2] and set(cost.points) == {1, 2}
+
+
+def test_a_load_spike_in_one_run_does_not_price_the_curve(tiny_model_path):
+    # One 2-token forward of the probe takes a second (a load spike): the
+    # point is the other run's, and a draft is still worth verifying.
+    fed = []
+    counting = _counting_model(tiny_model_path, fed)
+    call = type(counting).__call__
+
+    def spiking(self, tokens, cache):
+        out = call(self, tokens, cache)
+        if tokens.shape[1] == 2 and fed.count(2) == 1:
+            mx.eval(out)
+            time.sleep(1.0)
+        return out
+
+    type(counting).__call__ = spiking
+    cost = VerifyCost.calibrate(counting, min_seconds=0.0)
+    assert cost(2) < 0.5 and cost(2) < 2 * cost(1)
 
 
 def test_a_batch_wider_than_the_curve_times_its_plain_step(tiny_model_path):

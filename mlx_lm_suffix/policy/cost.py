@@ -10,8 +10,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 #: The forwards timed when a model is first used (after a one-token
-#: context): a probe of about three plain steps' time where verification is
-#: dearest (a 2-token forward costs at most two). Past 2 the curve grows as
+#: context), twice each: a probe of about five plain steps' time where
+#: verification is dearest (a 2-token forward costs at most two). Past 2 the curve grows as
 #: its 1-2 segment does, an estimate that errs cheap where a forward's cost
 #: jumps from one token to a few and then grows slowly; each wider
 #: verification then becomes a point of its own (:meth:`VerifyCost.observe`),
@@ -188,14 +188,18 @@ class VerifyCost:
         model: nn.Module,
         sizes: Sequence[int] = CALIBRATION_SIZES,
         context: int = 1,
-        repeats: int = 1,
+        repeats: int = 2,
         min_seconds: float = 0.05,
     ) -> "VerifyCost":
         """Time forwards of ``sizes`` tokens after a ``context``-token prefix
         (which warms the kernels up) on a scratch cache: the best of at
         least ``repeats`` runs each, more (up to 20) while a size has taken
         less than ``min_seconds`` in all, so the cheap forwards, the
-        noisiest, get the most runs and a slow one runs ``repeats`` times."""
+        noisiest, get the most runs and a slow one runs ``repeats`` times.
+        The sizes take turns, a run each: a load spike spoils a run of
+        each size, not every run of one (one point timed in a spike would
+        price every draft too dear, and no draft would be verified to time
+        it again)."""
         return cls(_time_forwards(model, sizes, context, repeats, min_seconds))
 
     def widen(self, model: nn.Module, n: int) -> None:
@@ -225,20 +229,26 @@ def _time_forwards(
     from .. import ranks, rollback
 
     tokens = mx.arange(context + max(sizes)) % scratch_vocabulary(model)
-    points = {}
+    best = {n: float("inf") for n in sizes}
+    spent = {n: 0.0 for n in sizes}
+    runs = {n: 0 for n in sizes}
     cache = make_prompt_cache(model)
     model(tokens[None, :context], cache=cache)
     mx.eval([c.state for c in cache])
-    for n in sizes:
-        best, spent, runs = float("inf"), 0.0, 0
-        # Distributed: every rank times as many forwards as rank 0 does.
-        while ranks.flag(runs < repeats or (spent < min_seconds and runs < 20)):
+
+    def wanted(n: int) -> bool:
+        return runs[n] < repeats or (spent[n] < min_seconds and runs[n] < 20)
+
+    # Distributed: every rank times the forwards rank 0 does.
+    while ranks.flag(any(wanted(n) for n in sizes)):
+        for n in sizes:
+            if not ranks.flag(wanted(n)):
+                continue
             saved = rollback.checkpoint(cache)
             tic = time.perf_counter()
             out = model(tokens[None, context : context + n], cache=cache)
             mx.eval(out)
             took = time.perf_counter() - tic
-            best, spent, runs = min(best, took), spent + took, runs + 1
+            best[n], spent[n], runs[n] = min(best[n], took), spent[n] + took, runs[n] + 1
             rollback.undo(cache, saved, n, n)
-        points[n] = best
-    return points
+    return best
