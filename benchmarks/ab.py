@@ -16,9 +16,9 @@ imported, installs its hook; subprocesses such as the bench's servers inherit
 both). Runs alternate old, new, new, old, ...; each one's output goes to
 ``DIR/{old,new}-{i}.log``, whose first line is the imported package's path.
 
-Not for server runs as it stands: with the same commit on both sides, the
-worktree's server runs measured apart from the checkout's by as much as the
-changes compared (docs/benchmarks.md, "2026-12-06, midday"; untraced).
+Server runs: a pair with the same commit on both sides differed as much as
+the changes compared (docs/benchmarks.md, "2026-12-06, midday"; whether the
+worktree arm differs systematically is untraced): use more repetitions.
 """
 
 from __future__ import annotations
