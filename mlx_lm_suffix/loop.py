@@ -354,9 +354,7 @@ class ModelTarget:
             self.policy.observe_plain(ready - self.plain_at)
         self.plain_at = ready
         self._in_cache(1)
-        if not self.ahead:
-            self.out.append((t, logprobs, False))
-        self.ahead = False
+        self._hand_pending((t, logprobs, False))
         self.row.stepped(t)
 
     def verify(self, token: int, draft: Draft, first: int) -> None:
@@ -375,9 +373,7 @@ class ModelTarget:
         # The pending token is the model's already: the consumer has it while
         # the forward runs (where a settled step drafted after it, as soon as
         # a plain step would have given it).
-        if not self.ahead:
-            self.out.append((token, self.logprobs, bool(first)))
-        self.ahead = False
+        self._hand_pending((token, self.logprobs, bool(first)))
 
     def verified(self) -> List[int]:
         v, self.queued = self.queued, None
@@ -397,6 +393,13 @@ class ModelTarget:
         self.out.extend(zip(emitted[1:], v.logprobs[:a], [True] * a))
         self.row.emit(emitted, a + first, draft.source)
         self.y, self.logprobs = mx.array([v.targets[a]], mx.uint32), v.logprobs[a]
+
+    def _hand_pending(self, item: Emitted) -> None:
+        """The pending token, fed by the forward just queued, to hand out,
+        unless :meth:`hand_ahead` handed it out already."""
+        if not self.ahead:
+            self.out.append(item)
+        self.ahead = False
 
     def hand_ahead(self) -> None:
         """Emit the pending token before the forward that feeds it is

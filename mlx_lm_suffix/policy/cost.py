@@ -11,9 +11,10 @@ import mlx.nn as nn
 
 #: The forwards timed when a model is first used (after a one-token
 #: context), twice each: a probe of about five plain steps' time where
-#: verification is dearest (a 2-token forward costs at most two). Past 2 the curve grows as
-#: its 1-2 segment does, an estimate that errs cheap where a forward's cost
-#: jumps from one token to a few and then grows slowly; each wider
+#: verification is dearest (a 2-token forward costs at most two). Past 2
+#: the curve grows as its 1-2 segment does, an estimate that errs cheap
+#: where a forward's cost jumps from one token to a few and then grows
+#: slowly; each wider
 #: verification then becomes a point of its own (:meth:`VerifyCost.observe`),
 #: and a batch of more rows than twice the widest point first times a forward
 #: of as many tokens (:meth:`VerifyCost.widen`): its plain step, from which the
