@@ -36,9 +36,13 @@ to end (with the prompts, ``T(P) + N``):
   every round ``k`` draft forwards (the first 2 wide after a round accepted
   whole) and ``V(k)``; the best fixed ``k`` in 1..8 over the workload;
 - ``product``: the trees and the draft model as the real loop and policy
-  choose (``speculation.propose``), the draft model fed every target forward
-  as :class:`~mlx_lm_suffix.sources.draft_model.Paired` feeds it (a plain
-  step costs ``1 + d``, a verification ``V(k) + d D(k + 1)``);
+  choose (``speculation.propose``), the draft model fed with the target as
+  :class:`~mlx_lm_suffix.sources.draft_model.Paired` feeds it (a plain step
+  costs ``1 + d``, a verification of the trees' draft ``V(k) + d D(k +
+  1)``) but for the positions it drafted, which it keeps (one sequence of
+  ``KVCache`` layers: :meth:`~mlx_lm_suffix.sources.draft_model.Paired.hold`):
+  a verification of its own draft costs ``V(k)``, and where it verified
+  the whole draft its next draft's first forward ``d D(2)``;
 - ``knowing``: each step, greedily, whichever of the trees' draft cut at its
   first wrong token, the draft model's run of right tokens, or a plain step
   commits the most tokens per cost, all settled (the pending token known);
@@ -173,11 +177,16 @@ class Scripted(simulate.Replay):
     """:class:`simulate.Replay` whose draft model is scripted (module
     docstring): ``steps`` tokens after the pending token (settled) or the
     one just emitted (pipelined: the plain forward gave the first), each a
-    draft forward of ``d`` plain steps."""
+    draft forward of ``d`` plain steps. The draft model keeps its drafted
+    positions (:meth:`~mlx_lm_suffix.sources.draft_model.Paired.hold`): a
+    verification of its draft feeds it nothing (``V(k)``), and where it
+    verified all of them the last waits for the next draft's first forward
+    (``d D(2)``)."""
 
-    def __init__(self, row, response, policy, cost, rid: int, a: float, d: float):
+    def __init__(self, row, response, policy, cost, rid: int, a: float, d: float, D):
         super().__init__(row, response, policy, cost, STEP)
-        self.rid, self.a, self.d = rid, a, d
+        self.rid, self.a, self.d, self.D = rid, a, d, D
+        self.drafted, self.lags = 0, False
 
     def model_draft(self, steps, settled, contexts):
         start = self.at + 1 if settled else self.at
@@ -185,8 +194,16 @@ class Scripted(simulate.Replay):
         tokens = [x[j] if j < len(x) and not wrong(self.rid, j, self.a) else -2 - j
                   for j in range(start, start + steps)]
         forwards = steps if settled else steps - 1
-        self.total += forwards * self.d
-        return [tokens], [[self.a] * steps], forwards * self.d * STEP
+        spent = forwards * self.d + (self.d * (self.D(2) - 1) if self.lags and settled else 0.0)
+        self.total += spent
+        self.drafted, self.lags = steps, False
+        return [tokens], [[self.a] * steps], spent * STEP
+
+    def verify_cost(self, n, draft):
+        if draft.source != "model":
+            return super().verify_cost(n, draft)
+        self.lags = len(draft.tokens) >= self.drafted
+        return V(n - 1)
 
 
 def fresh(model: bool, cost: Callable[[int], float], d: float, D) -> SuffixDrafter:
@@ -198,11 +215,11 @@ def fresh(model: bool, cost: Callable[[int], float], d: float, D) -> SuffixDraft
     return drafter
 
 
-def product(drafter: SuffixDrafter, prompt, response, rid, a, cost, d) -> float:
+def product(drafter: SuffixDrafter, prompt, response, rid, a, cost, d, D) -> float:
     """One request through the real loop and policy: its decode cost."""
     row = speculation.Row(drafter, drafter.start(prompt), drafter.num_draft_tokens, len(response))
-    row.model = drafter.draft_model is not None
-    driver = Scripted(row, response, drafter.policy, cost, rid, a, d)
+    row.model = row.holds = drafter.draft_model is not None
+    driver = Scripted(row, response, drafter.policy, cost, rid, a, d, D)
     for _ in loop.decode(driver, row):
         pass
     row.finish()
@@ -286,7 +303,8 @@ def arms(answers: Sequence[Tuple[List[int], List[int]]], a: float, m: Dict) -> D
     paired = lambda k: V(k) + d * D(k + 1)  # noqa: E731
     for arm, model, cost in (("trees", False, V), ("product", True, paired)):
         drafter = fresh(model, cost, d, D)
-        total = sum(product(drafter, p, x, rid, a, cost, d) for rid, (p, x) in enumerate(answers))
+        total = sum(product(drafter, p, x, rid, a, cost, d, D)
+                    for rid, (p, x) in enumerate(answers))
         st, counts = drafter.stats, {}
         for source, n in st.source_drafted.items():
             c = counts.setdefault("model" if source == "model" else "trees", [0, 0])

@@ -361,6 +361,8 @@ class ModelTarget:
         self.plain_at = None
         tokens = [token] + draft.tokens[first:]
         fed = mx.array(tokens, mx.uint32)
+        if isinstance(self.model, Paired):  # (the draft model may hold some already)
+            self.model.expect(self.cache, tokens)
         saved = rollback.checkpoint(self.cache)
         started = time.perf_counter()
         y, logprobs, states = self.forward(fed, quantize=False)
@@ -378,7 +380,8 @@ class ModelTarget:
     def verified(self) -> List[int]:
         v, self.queued = self.queued, None
         v.targets = v.sampled.tolist()
-        self.policy.observe(v.tokens.size, time.perf_counter() - v.started)
+        self.policy.observe(v.tokens.size, time.perf_counter() - v.started,
+                            unpaired=v.source == "model" and self.row.holds)
         self.last = v
         return v.targets
 
@@ -463,6 +466,8 @@ class ModelTarget:
         the forward that feeds it before it handed it out."""
         if self.ahead:
             self.plain()
+        if isinstance(self.model, Paired):
+            self.model.settle(self.cache)
         if self.queued is not None:
             q, self.queued = self.queued, None
             if unyielded:
@@ -658,6 +663,7 @@ def suffix_generate_step(
                                               kv_quantization)
     row = replace(options, num_draft_tokens=num_draft_tokens).start(drafter, prompt.tolist(), limit)
     row.model = isinstance(model, Paired) and num_draft_tokens > 0
+    row.holds = row.model and model.follows_lazily(cache)
     with mx.stream(stream):
         try:
             first = _prefill(model, cache, prompt, sampler, logits_processors, kv_quantization,
@@ -678,4 +684,6 @@ def suffix_generate_step(
                     mx.clear_cache()
             yield from target.hand_out()
         finally:
+            if isinstance(model, Paired):  # (a caller's cache of both models)
+                model.settle(cache)
             row.finish()

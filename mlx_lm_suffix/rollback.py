@@ -325,6 +325,25 @@ def supports_batch(cache: List[Any]) -> bool:
     return bool(found) and all(type(c) in BATCH for c in found)
 
 
+def trims(cache: List[Any]) -> bool:
+    """Whether every layer of a single-sequence cache drops its last
+    positions at any time (:class:`Trim`): nothing of it is saved before a
+    forward, and its positions held are one number."""
+    found = layers(cache)
+    return bool(found) and all(SINGLE.get(type(c)) is TRIM for c in found)
+
+
+def trim(cache: List[Any], n: int) -> None:
+    """Every layer of a cache that :func:`trims` drops its last ``n`` positions."""
+    for c in layers(cache):
+        TRIM.trim(c, n)
+
+
+def held(cache: List[Any]) -> int:
+    """The positions a cache that :func:`trims` holds."""
+    return TRIM.length(layers(cache)[0])
+
+
 class Checkpoint(NamedTuple):
     """The states of the layers that may have to restore, by layer index."""
 

@@ -170,6 +170,10 @@ class Row:
     #: The row may draft from its drafter's draft model (its driver's cache
     #: holds the draft model's too).
     model: bool = False
+    #: Its draft model keeps the positions it drafted (:meth:`~mlx_lm_suffix.
+    #: sources.draft_model.Paired.hold`): a verification of its draft feeds
+    #: the draft model nothing.
+    holds: bool = False
     # Committed tokens, plain steps and host seconds not handed to the
     # drafter yet; whether it has tokens its trees have not.
     _tokens: List[int] = field(default_factory=list)
@@ -516,7 +520,8 @@ def _model_drafts(rows: Sequence[Row], drafts: List[Draft], asking: List[int], c
     if not want:
         return
     cap = max(caps[asking.index(i)] for i in want)
-    steps = policy.model_steps(rates, len(rows), not settled, cap) or policy.probe(
+    held = all(rows[i].holds for i in want)
+    steps = policy.model_steps(rates, len(rows), not settled, cap, held) or policy.probe(
         len(rows), not settled, cap)
     if not steps:
         return
@@ -551,7 +556,8 @@ def settles(rows: Sequence[Row], policy: Policy) -> bool:
     if not asking:
         return False
     rates = [policy.model_rate(r.trust) for r in asking]
-    return policy.model_steps(rates, len(rows), False, max(r.num_draft_tokens for r in asking)) > 0
+    most = max(r.num_draft_tokens for r in asking)
+    return policy.model_steps(rates, len(rows), False, most, all(r.holds for r in asking)) > 0
 
 
 def resting(rows: Sequence[Row]) -> bool:

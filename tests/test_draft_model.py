@@ -71,6 +71,46 @@ def test_every_family_as_target_and_as_draft(family, tiny_family_path):
                                        prompt + out, f"{family}: both models' cache")
 
 
+class _Counting:
+    """A model that counts its forwards (and otherwise is the model)."""
+
+    def __init__(self, model: Any):
+        self.model, self.forwards = model, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.forwards += 1
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+def test_the_draft_model_keeps_its_drafted_positions_as_stocks(tiny_family_path):
+    """As stock's speculative decoding, the draft model keeps the positions
+    it drafted: a verification feeds it none of them (the last drafted
+    token, where all are verified, waits for its next draft's first
+    forward), so its forwards are its prompt's, its drafts' own and the
+    plain steps', not one more a verification; the output is stock's and
+    the cache of both models a fresh prefill after it."""
+    model, tokenizer = _load(tiny_family_path("qwen3"))
+    prompt = _prompts(tokenizer, 2)[1]
+    counting = _Counting(model)
+    drafter = _with_draft(model, counting, _every(3))
+    paired = drafter.draft_model.pair(model)
+    cache = paired.make_cache()
+    out = [t for t, _, _ in suffix_generate_step(mx.array(prompt), model, drafter,
+                                                 max_tokens=MAX_TOKENS, prompt_cache=cache)]
+    assert out == _stock(model, prompt)
+    stats = drafter.stats
+    assert stats.draft_steps >= 3 and stats.source_accepted["model"] > 0
+    prefill = _Counting(model)
+    list(generate_step(mx.array(prompt), prefill, max_tokens=0))
+    # the prompt's forwards, the drafts', the plain steps' and the request's end
+    most = prefill.forwards + stats.model_forwards + stats.steps - stats.draft_steps + 1
+    assert counting.forwards <= most, (counting.forwards, most, stats)
+    _assert_cache_is_fresh_prefill(paired, cache, prompt + out, "both models' cache")
+
+
 def test_a_target_only_cache_gets_the_draft_model_its_prefix(tiny_family_path):
     """A caller's cache of the target alone, holding part of the prompt: the
     draft model gets the cached prefix (from the whole prompt, ``options``)
@@ -154,8 +194,11 @@ def test_batched_rows_draft_from_the_model_and_equal_stock(family, tiny_family_p
 
 
 def test_the_policy_runs_the_draft_model_where_its_drafts_hold(tiny_family_path):
-    """Adaptive, where a verification of 7 tokens costs 1.5 plain steps and
-    a draft model's forward a tenth of one: a draft model whose tokens hold
+    """Adaptive, where a verification of 7 tokens costs 1.7 plain steps, of
+    one 1.2 (so a one-token try costs a fifth of a step beyond a plain
+    step, the draft model keeping its drafted positions), and a draft
+    model's forward a tenth of one (of one token or eight, as a small
+    model's forwards cost about alike): a draft model whose tokens hold
     is run and verified; one whose every token is wrong (however sure it
     says it is) soon runs no more than a short try per request and its
     probes (a forward each, at most OVERHEAD of the plain steps' time: a
@@ -164,7 +207,7 @@ def test_the_policy_runs_the_draft_model_where_its_drafts_hold(tiny_family_path)
 
     model, tokenizer = _load(tiny_family_path("qwen3"))
     prompts = _prompts(tokenizer, 4)
-    cost = VerifyCost({1: 1.0, 2: 1.1, 8: 1.6}, smoothing=0)
+    cost = VerifyCost({1: 1.0, 2: 1.2, 8: 1.7}, smoothing=0)
     # A random-weight model's probabilities say nothing: the guides give the
     # estimates a sure draft model would (0.95), with stock's next token or
     # a wrong one.
@@ -176,7 +219,7 @@ def test_the_policy_runs_the_draft_model_where_its_drafts_hold(tiny_family_path)
     wrong = lambda context: ((context[-1] + 7) % 1000, 0.95)  # noqa: E731
     for guide, holds in ((right, True), (wrong, False)):
         drafter = _with_draft(model, model, guide, policy="adaptive", cost=cost)
-        drafter.policy.draft_cost = VerifyCost({1: 0.1}, smoothing=0)
+        drafter.policy.draft_cost = VerifyCost({1: 0.1, 8: 0.1}, smoothing=0)
         runs = []
         for p in prompts:
             before = drafter.stats.model_forwards
@@ -212,11 +255,16 @@ def test_a_guide_that_names_every_token_drafts_as_one_that_is_read_each_step(
     for _ in range(5):
         want.append((want[-1] * 3 + 1) % 1000)
     assert planned == ([want[1:]], [[0.5] * 5])
+    # (it keeps the pending token and 4 drafted positions, as stock's draft cache)
+    assert cache[-1].caches[0].offset == offset + 5
+    paired.settle(cache)
     assert cache[-1].caches[0].offset == offset
     monkeypatch.setattr(DraftModel, "_planned", lambda self, contexts, steps: None)
     assert dm.draft(paired, cache, first, 5, [prompt])[:2] == planned
+    paired.settle(cache)
     dm.guide = lambda context: None
     own = dm.draft(paired, cache, first, 5, [prompt])[:2]
+    paired.settle(cache)
     dm.guide = None
     assert own == dm.draft(paired, cache, first, 5, [prompt])[:2]
 

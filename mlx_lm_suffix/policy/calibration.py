@@ -330,10 +330,14 @@ class ModelRate:
     model whose drafts fail at once however sure it is, or whose tokens
     never look likely, is not run for nothing). A draft's first token and
     its later ones are kept apart as the calibration keeps them: the first
-    is the one whose context the model saw least of."""
+    is the one whose context the model saw least of. Until its later tokens
+    are seen (a draft model that drafts one token a step shows none), they
+    are expected to hold as its first tokens do: a prior below that would
+    keep it drafting one token, which never shows otherwise."""
 
-    #: The estimates of a draft model's tokens before any was drafted.
-    PRIOR = (0.6, 0.6)
+    #: The estimate of a draft model's first token before any was drafted
+    #: (its later tokens': as its first tokens', see above).
+    PRIOR = (0.6, None)
     #: Tokens the prior is worth.
     WEIGHT = 4.0
     HORIZON = 256.0
@@ -353,12 +357,14 @@ class ModelRate:
             self.firsts, self.first = self.firsts * 0.5, self.first * 0.5
             self.tails, self.tail = self.tails * 0.5, self.tail * 0.5
 
-    def rate(self, prior: Tuple[float, float] = PRIOR) -> Tuple[float, float]:
+    def rate(self, prior: Tuple[float, Optional[float]] = PRIOR) -> Tuple[float, float]:
         """The expected estimates of a draft's first token and of each
-        later one."""
+        later one (``prior``: theirs before any is seen; None for the
+        later ones: the first's, as expected here)."""
         w = self.WEIGHT
-        return ((self.first + w * prior[0]) / (self.firsts + w),
-                (self.tail + w * prior[1]) / (self.tails + w))
+        first = (self.first + w * prior[0]) / (self.firsts + w)
+        tail = first if prior[1] is None else prior[1]
+        return first, (self.tail + w * tail) / (self.tails + w)
 
 
 def given(p: float, q: float) -> float:

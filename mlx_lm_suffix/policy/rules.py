@@ -284,14 +284,16 @@ class Policy:
             draft.trust.model_tokens.add(probs[0], tail)
 
     def model_steps(self, rates: Sequence[Tuple[float, float]], rows: int, pipelined: bool,
-                    limit: int) -> int:
+                    limit: int, held: bool = False) -> int:
         """How many tokens the draft model drafts this step for the rows
         that ask it, ``rates`` their first and later tokens' expected
         estimates (:meth:`model_rate`), in a step of ``rows`` rows: the
         number ``k`` whose step commits the most tokens per second, the
         draft model's ``k`` forwards priced (a pipelined step's first draft
         token comes with the plain forward queued, which checks it, so it
-        takes ``k - 1``); 0 where none beats plain steps by the margin
+        takes ``k - 1``; ``held``: the draft model keeps the positions it
+        drafted, so the verification does not feed it, as the curve's
+        forwards do, see :meth:`observe`); 0 where none beats plain steps by the margin
         (:data:`MARGIN`; :data:`BATCH_MARGIN` where some row of the batch
         does not ask the draft model: it waits for the wider forward, as
         :func:`best_batch_lengths` says), or the policy prices nothing (the
@@ -320,9 +322,13 @@ class Policy:
             if pipelined:  # the plain forward's token, then [first] + rest
                 if k < 2:
                     continue
+                width = k
                 step = plain + self.cost(rows * k, rows=rows) + (k - 1) * draft + self.wait_s
             else:
+                width = k + 1
                 step = self.cost(rows * (k + 1), rows=rows) + k * draft + self.wait_s
+            if held:
+                step -= self.draft_cost(width)
             gain = rows + m * expected  # (pipelined too: f * (1 + t + ... + t ** (k - 2)) + ...)
             if gain / step > best_rate:
                 best, best_rate = k, gain / step
@@ -437,9 +443,17 @@ class Policy:
         rows = self.rows
         return int(self.propose_s * rows / (OVERHEAD * self.cost(rows, rows=rows)))
 
-    def observe(self, n: int, seconds: float, rows: int = 1) -> None:
-        """A forward of ``n`` tokens over ``rows`` rows took ``seconds``."""
+    def observe(self, n: int, seconds: float, rows: int = 1, unpaired: bool = False) -> None:
+        """A forward of ``n`` tokens over ``rows`` rows took ``seconds``.
+        ``unpaired``: a forward of a target paired with a draft model
+        (:class:`~mlx_lm_suffix.sources.draft_model.Paired`) that did not
+        feed the draft model (it held the tokens): observed as the forward
+        that feeds it too, the draft model's forward priced in, so that
+        the curve prices every paired forward alike (:meth:`model_steps`
+        takes it out where the draft model holds its draft)."""
         if self.cost is not None:
+            if unpaired and self.draft_cost is not None:
+                seconds += self.draft_cost(n)
             self.cost.observe(n, seconds, rows=rows)
 
     def observe_plain(self, seconds: float, rows: int = 1) -> None:

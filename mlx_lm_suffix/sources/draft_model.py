@@ -8,26 +8,38 @@ at the end of the target's cache list (a ``CacheList`` of its layers'
 caches), and :class:`Paired` is the target and the draft model as one
 model: every forward the target runs (the prompt's prefill, a plain step, a
 verification, a replay) feeds the draft model the same tokens. So the draft
-model's cache always holds what the target's holds: it is prefilled once,
-with the prompt (a server's prompt cache keeps its prefix with the
-target's), takes every committed token, and loses every rejected position
-to the target's own rollback (:mod:`~mlx_lm_suffix.rollback`, for every
-cache kind; one restored layer sends both models back); in a batch, its
-rows join, leave, are extracted and compacted with the target's, by
-mlx-lm's own batch code.
+model's cache holds what the target's holds: it is prefilled once, with
+the prompt (a server's prompt cache keeps its prefix with the target's),
+takes every committed token, and loses every rejected position to the
+target's own rollback (:mod:`~mlx_lm_suffix.rollback`, for every cache
+kind; one restored layer sends both models back); in a batch, its rows
+join, leave, are extracted and compacted with the target's, by mlx-lm's
+own batch code.
 
 **Drafting** (:meth:`DraftModel.draft`): ``k`` greedy steps of the draft
 model alone, every row of the batch at once. Settled (a row's pending token
 is known), the first step feeds each row's pending token; pipelined (a
 plain forward is queued), that forward fed the draft model the token just
 emitted, so its logits (kept by :class:`Paired`) give the first draft
-token. The steps' positions leave the draft cache again at once (a trim of
-every row alike, or the draft caches' checkpoint put back): the draft
-tokens that hold enter it with the verification that accepts them. A draft
-token's estimate is the draft model's probability of it, multiplied along
-the draft (cumulative, as the trees'), which the policy calibrates as it
-calibrates theirs (source ``model``). The host reads the drafts once, after
-the last step.
+token. A draft token's estimate is the draft model's probability of it,
+multiplied along the draft (cumulative, as the trees'), which the policy
+calibrates as it calibrates theirs (source ``model``). The host reads the
+drafts once, after the last step.
+
+**Its drafted positions.** One sequence whose every cache layer, the
+target's and the draft model's, drops positions at any time (``KVCache``
+and its kinds: :func:`~mlx_lm_suffix.rollback.trims`) keeps them, as stock's
+speculative decoding does (:meth:`Paired.hold`): the verification that
+follows feeds the draft model none of the tokens they hold, and where it
+verifies the whole draft, the last drafted token waits for the draft model's
+next forward, as in stock's. So a step costs the draft model its ``k``
+forwards, not one more for the verification. Rollback still drops the
+same positions of both models, so the tokens the draft model lacks are the
+target's last ones, fed first by its next forward; a request's end or a
+consumer's stop puts both in step (:meth:`Paired.settle`). Every other
+cache (a batch's, a recurrent or sliding-window layer of either model,
+whose rollback may restore) drops the drafted positions at once, and the
+verification feeds the draft model its tokens with the target's.
 """
 
 from __future__ import annotations
@@ -79,6 +91,13 @@ class Paired:
         #: The target's entries of the cache list.
         self.target_entries = len(cache_list_of(target))
         self._last: "weakref.WeakKeyDictionary[Any, mx.array]" = weakref.WeakKeyDictionary()
+        # Following lazily (:meth:`hold`), by the draft model's cache entry:
+        # its drafted tokens past the target's, the next inputs, and the
+        # last inputs some of which it lacks (with their position).
+        self._ahead: "weakref.WeakKeyDictionary[Any, List[int]]" = weakref.WeakKeyDictionary()
+        self._expect: "weakref.WeakKeyDictionary[Any, List[int]]" = weakref.WeakKeyDictionary()
+        self._fed: "weakref.WeakKeyDictionary[Any, Tuple[int, List[int]]]" = (
+            weakref.WeakKeyDictionary())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.target, name)
@@ -91,8 +110,101 @@ class Paired:
             raise ValueError(f"a cache of the target and its draft model has "
                              f"{self.target_entries + 1} entries, not {len(cache)}")
         logits = self.target(inputs, cache=cache[:-1], **kwargs)
-        self._last[cache[-1]] = self.draft(inputs, cache=list(cache[-1].caches))[:, -1]
+        feed = self._to_feed(cache, inputs)
+        if feed is None:
+            self._last.pop(cache[-1], None)
+        else:
+            self._last[cache[-1]] = self.draft(feed, cache=list(cache[-1].caches))[:, -1]
         return logits
+
+    def _to_feed(self, cache: List[Any], inputs: mx.array) -> Optional[mx.array]:
+        """What the draft model is fed with ``inputs``, which the target was
+        just fed (see :meth:`hold`): the inputs its drafted positions do not
+        hold already, after the tokens it lacks; None: nothing."""
+        from .. import rollback  # (imports mlx_lm, whose import patches it and imports this)
+
+        entry = cache[-1]
+        expected = self._expect.pop(entry, None)
+        ahead = self._ahead.pop(entry, None)
+        if ahead is None:
+            missing = self.missing(cache, inputs.shape[1]) if entry in self._fed else []
+            if not missing:
+                return inputs
+            return mx.concatenate([mx.array([missing], inputs.dtype), inputs], axis=1)
+        held = 0
+        for a, b in zip(ahead, expected or ()):
+            if a != b:
+                break
+            held += 1
+        rollback.trim(list(entry.caches), len(ahead) - held)
+        if expected is not None and held >= len(expected) - 1:
+            if held < len(expected):  # (its last input waits for the next forward)
+                self._fed[entry] = (rollback.held(cache[:-1]) - len(expected), list(expected))
+            return None
+        return inputs[:, held:]
+
+    def follows_lazily(self, cache: List[Any]) -> bool:
+        """Whether the draft model keeps its drafted positions in ``cache``
+        (:meth:`hold`): one sequence's cache whose every layer, the
+        target's and the draft model's, drops its last positions at any
+        time (as stock's speculative decoding needs of both)."""
+        from .. import rollback
+
+        return rollback.trims(cache)
+
+    def hold(self, cache: List[Any], tokens: List[int]) -> None:
+        """The draft model's cache in ``cache`` holds ``tokens`` past the
+        target's (the positions it drafted, kept as stock's speculative
+        decoding keeps them). The next forward on ``cache`` drops those
+        its inputs do not start with (:meth:`expect` names the inputs), and
+        feeds the draft model none of the inputs they hold; where they
+        hold all the inputs but the last, that one waits, as in stock's,
+        for the draft model's next forward, before its inputs (its
+        :meth:`last` logits are then none). Rollback drops the same
+        positions of both models, so the tokens the draft model lacks are
+        always the target's last ones: those of the forward that left them
+        out, as many as the two caches' positions differ."""
+        self._ahead[cache[-1]] = list(tokens)
+
+    def expect(self, cache: List[Any], tokens: List[int]) -> None:
+        """The next forward on ``cache`` feeds ``tokens`` (see :meth:`hold`)."""
+        if cache[-1] in self._ahead:
+            self._expect[cache[-1]] = list(tokens)
+
+    def missing(self, cache: List[Any], fed: int = 0) -> List[int]:
+        """The tokens the target's cache holds and the draft model's lacks
+        (``fed``: but the target's last ``fed`` positions, its inputs just
+        fed); the draft model's next forward feeds them first (see
+        :meth:`hold`)."""
+        from .. import rollback
+
+        held = self._fed.pop(cache[-1], None)
+        if held is None:
+            return []
+        start, tokens = held
+        lo = rollback.held(list(cache[-1].caches)) - start
+        hi = rollback.held(cache[:-1]) - fed - start
+        if not 0 <= lo <= hi <= len(tokens):
+            raise RuntimeError("the draft model's cache is out of step with the model's")
+        return tokens[lo:hi]
+
+    def settle(self, cache: List[Any]) -> None:
+        """Put the draft model's cache in step with the target's (a
+        request's end, a consumer's stop): its drafted positions leave, the
+        tokens it lacks are fed."""
+        from .. import rollback
+
+        if not self.pairs(cache):
+            return
+        entry = cache[-1]
+        self._expect.pop(entry, None)
+        ahead = self._ahead.pop(entry, None)
+        if ahead:
+            rollback.trim(list(entry.caches), len(ahead))
+        missing = self.missing(cache)
+        if missing:
+            self._last[entry] = self.draft(mx.array([missing], mx.uint32),
+                                           cache=list(entry.caches))[:, -1]
 
     def last(self, cache: List[Any]) -> Optional[mx.array]:
         """The draft model's logits after the last forward on ``cache``,
@@ -167,14 +279,19 @@ class DraftModel:
 
         tic = time.perf_counter()
         caches = list(cache[-1].caches)
-        saved = rollback.checkpoint(caches)
+        lazy = paired.follows_lazily(cache)
+        saved = None if lazy else rollback.checkpoint(caches)
         fed = 0
         if first is None:
             logits = paired.last(cache)
             if logits is None:
                 return [], [], 0.0
         else:
-            logits = self.model(first[:, None], cache=caches)[:, -1]
+            missing = paired.missing(cache) if lazy else []
+            x = first[:, None]
+            if missing:
+                x = mx.concatenate([mx.array([missing], x.dtype), x], axis=1)
+            logits = self.model(x, cache=caches)[:, -1]
             fed = 1
         tokens, probs, own = [], [], []
         contexts = [list(c) for c in contexts] if self.guide is not None and contexts else None
@@ -195,9 +312,13 @@ class DraftModel:
                 fed += 1
         out = mx.stack(tokens, axis=1), mx.stack(probs, axis=1)
         mx.eval(out, own)
-        if fed:
+        drafted, estimates = out[0].tolist(), out[1].tolist()
+        if lazy:
+            head = [] if first is None else first.tolist()
+            paired.hold(cache, head + drafted[0][: steps - 1])
+        elif fed:
             rollback.drop(caches, saved, fed)
-        return out[0].tolist(), out[1].tolist(), time.perf_counter() - tic
+        return drafted, estimates, time.perf_counter() - tic
 
     def _planned(self, contexts: List[List[int]], steps: int
                  ) -> Optional[Tuple[mx.array, mx.array]]:

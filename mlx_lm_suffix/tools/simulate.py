@@ -293,9 +293,16 @@ class Replay:
     def verify(self, token: int, draft: Any, first: int) -> None:
         tokens = [token] + draft.tokens[first:]
         self._fed, self._queued, self._plain_run = tokens, False, False
-        self.total += self.cost(len(tokens) - 1)
+        cost = self.verify_cost(len(tokens), draft)
+        self.total += cost
         self._waits()
-        self.policy.observe(len(tokens), self.cost(len(tokens) - 1) * self.step)
+        self.policy.observe(len(tokens), cost * self.step,
+                            unpaired=draft.source == "model" and self.row.holds)
+
+    def verify_cost(self, n: int, draft: Any) -> float:
+        """A verification's forward of ``n`` tokens (of ``draft``), in plain
+        steps: ``cost(n - 1)``."""
+        return self.cost(n - 1)
 
     def verified(self) -> List[int]:
         after = self.response[self.at + 1 : self.at + 1 + len(self._fed)]
