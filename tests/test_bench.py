@@ -567,6 +567,36 @@ def test_draft_arms_give_stocks_output_and_the_scripted_agreement(loaded, draft_
         assert m["model_rejected"] == 0 and m["model_accepted"] > 0 and m["matched_reference"]
 
 
+def test_every_in_process_arm_prefills_in_the_same_chunks(loaded, draft_runs, tiny_model_path,
+                                                          monkeypatch):
+    """Stock's speculative decoding prefills in chunks of 512 by default,
+    stock's generate_step in chunks of 2048: every arm is handed the same
+    (generate_step's, which mlx_lm.generate passes with a draft model too),
+    so that the arms differ in how they decode, not in their prompts'
+    chunks."""
+    import inspect
+
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+
+    model, tokenizer = loaded
+    reqs, eos = draft_runs
+    seen = {}
+    stream = mlx_lm.stream_generate
+
+    def spy(*args, **kwargs):
+        drafting = kwargs.get("draft_model")
+        seen[type(drafting).__name__] = kwargs.get("prefill_step_size")
+        return stream(*args, **kwargs)
+
+    monkeypatch.setattr(mlx_lm, "stream_generate", spy)
+    draft = _draft_setup(reqs[:1], eos, tiny_model_path)
+    bench.run_inprocess_arms(["stock", "stock-draft", "suffix-draft"], model, tokenizer, reqs[:1],
+                             8, True, eos, {"policy": "fixed"}, draft=draft)
+    default = inspect.signature(generate_step).parameters["prefill_step_size"].default
+    assert len(seen) == 3 and set(seen.values()) == {default}, seen
+
+
 def test_draft_arms_real_output_equals_stocks(loaded, requests, tiny_llama_path):
     """Not scripted: a real draft model of the same tokenizer (the tiny
     llama beside the tiny qwen3); each draft arm's tokens are stock's."""

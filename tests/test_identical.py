@@ -279,6 +279,34 @@ def test_quantized_kv_cache_greedy_equals_stock(mini, bits, start):
     assert drafter.snapshot()["accepted"] > 100  # repeats were drafted
 
 
+@pytest.mark.parametrize("start", [0, 20])
+def test_quantized_kv_cache_with_a_draft_model_equals_stock(mini, start):
+    """kv_bits 8 with a draft model (the model itself, every third draft
+    token made wrong), its cache quantized from the start or after 20
+    tokens: stock's greedy tokens; the draft model keeps its drafted
+    positions there too (the quantized cache trims), and after each
+    generation it holds the prompt and the tokens, as the target does."""
+    from mlx_lm.generate import generate_step
+    from test_draft_model import _every, _with_draft
+
+    from mlx_lm_suffix.loop import suffix_generate_step
+
+    model, tokenizer, prompts = mini
+    kw = dict(max_tokens=32, kv_bits=8, kv_group_size=32, quantized_kv_start=start)
+    for prompt in prompts[:4]:
+        ref = [t for t, _ in generate_step(mx.array(prompt), model, **kw)]
+        drafter = _with_draft(model, model, _every(3))
+        paired = drafter.draft_model.pair(model)
+        cache = paired.make_cache()
+        assert paired.follows_lazily(cache)
+        out = [t for t, _, _ in suffix_generate_step(mx.array(prompt), model, drafter,
+                                                     prompt_cache=cache, **kw)]
+        assert out == ref
+        assert drafter.stats.source_accepted.get("model", 0) > 0
+        assert type(cache[0]).__name__ == "QuantizedKVCache"
+        assert cache[-1].caches[0].offset == cache[0].offset
+
+
 @pytest.mark.parametrize("bits,start", [(8, 0), (4, None)])
 def test_quantized_kv_cache_through_the_server(mini, models_dir, logs, bits, start):
     """The same through servers with OpenBLAS (where a wide forward

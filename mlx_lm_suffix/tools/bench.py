@@ -121,6 +121,12 @@ DRAFT_ARMS = ("stock-draft", "suffix-draft")
 DEFAULT_DRAFT_ARMS = ("stock", "stock-draft", "suffix-cold", "suffix-draft")
 #: Stock's draft tokens a round (mlx-lm's ``--num-draft-tokens`` default).
 STOCK_DRAFT_TOKENS = 3
+#: The prompt's chunk in every in-process arm: ``mlx_lm.generate``'s
+#: ``--prefill-step-size`` default, which its CLI passes with a draft model
+#: too (stock's ``speculative_generate_step`` defaults to 512 in Python, and
+#: on a CPU smaller chunks prefill faster: the arms would then differ in
+#: their prefill's chunks, not in how they decode).
+PREFILL_STEP_SIZE = 2048
 #: The scripted draft model's default agreement with the target.
 DRAFT_AGREEMENT = 0.75
 #: ``--draft-model`` names of the local random-weight models.
@@ -874,13 +880,14 @@ def generate_one(
     counts: Optional[DraftCounts] = None,
 ) -> Tuple[Sample, List[int]]:
     """Generate one request with ``mlx_lm.stream_generate``; returns its
-    sample and output tokens. ``draft``: stock's speculative decoding with
+    sample and output tokens, the prompt prefilled in chunks of
+    :data:`PREFILL_STEP_SIZE`. ``draft``: stock's speculative decoding with
     this draft model (``num_draft_tokens`` a round; no ``drafter``);
     ``counts``: the drafter's (:meth:`DraftCounts.counting`), whose
     ``model`` source the sample reports."""
     import mlx_lm
 
-    kwargs: Dict[str, Any] = {}
+    kwargs: Dict[str, Any] = {"prefill_step_size": PREFILL_STEP_SIZE}
     if scripted:
         processor = ScriptedProcessor([(req.prompt_ids, req.reference_ids)], eos_id)
         if draft is not None:
