@@ -665,6 +665,14 @@ def test_bench_draft_model_command_and_servers(tmp_path, tiny_model_path):
         m = arms[arm]
         assert m["model_drafted"] > 0 and m["model_agreement"] > 0.5, (arm, m)
     assert arms["server-suffix-cold@c2"]["model_drafted"] is None
+    # Each repetition's suffix servers' stats: the cold pass's and the warm pass's.
+    for arm in ("server-suffix-cold@c2", "server-suffix-draft-cold@c2",
+                "server-suffix-draft-warm@c2"):
+        (stats,) = arms[arm]["server_stats_per_rep"]
+        assert stats["models"][0]["draft_steps"] > 0, arm
+    cold, warm = (arms[f"server-suffix-draft-{p}@c2"]["server_stats_per_rep"][0]["models"][0]
+                  for p in ("cold", "warm"))
+    assert 0 < cold["requests"] < warm["requests"]
     assert bench.baseline_arm("server-stock-draft@c2") == "server-stock@c2"
     assert bench.baseline_arm("server-suffix-draft-warm@c2") == "server-stock-warm@c2"
     assert "model acc" in result.output and "scripted agreement 0.75" in result.output

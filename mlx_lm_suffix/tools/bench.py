@@ -48,7 +48,10 @@ rejection on a model with recurrent state restores the state and feeds the
 kept tokens again): ``replays``, ``replayed_tokens`` and ``replay_share``,
 the share of the arm's time those forwards took, estimated from the curve
 (timing them would add a sync to every replay). Server arms report theirs
-in ``server_stats``.
+in ``server_stats`` (the suffix servers' stats endpoint after the pass: the
+cold arm's after the cold pass, the warm arm's after both), the first
+repetition's, and every repetition's in ``server_stats_per_rep`` (each
+repetition's servers are fresh).
 
 Ratios are medians of per-repetition ratios to ``stock`` (the same
 repetition). Each arm also reports the spread of its per-request ratios
@@ -1550,6 +1553,9 @@ def run_bench(
                                                      if a in rep]
             if "verify_cost" in per_rep[0][a]:
                 merged["costs_per_rep"] = [{k: rep[a][k] for k in REP_COSTS} for rep in per_rep]
+            if "server_stats" in per_rep[0][a]:
+                merged["server_stats_per_rep"] = [rep[a].get("server_stats") for rep in per_rep
+                                                  if a in rep]
             merged["per_request"] = request_spreads(per_rep, a, base) if a != base else None
             wl["arms"][a] = merged
         report["workloads"][name] = wl
@@ -1658,6 +1664,9 @@ def _server_rep(
         before = {n: read_counts(c) for n, c in counts.items()}
         cold = run_server_arms(urls, requests, max_tokens, concurrency, scripted, tick)
         after_cold = {n: read_counts(c) for n, c in counts.items()}
+        # (the cold pass's curves and counts: each repetition's servers are fresh)
+        cold_stats = {n: server_stats(u) for n, u in urls.items()
+                      if n not in ("stock", "stock-draft")}
         # Second pass: the stock server's prompt cache is now as warm as the
         # suffix servers' in theirs, so they compare fairly.
         warm = run_server_arms({n: u for n, u in urls.items() if n != "stock-draft"}, requests,
@@ -1675,14 +1684,14 @@ def _server_rep(
         if name in urls:
             out[f"server-suffix-cold{tag}"] = cold[name]
             out[f"server-suffix-warm{tag}"] = warm[name]
-            if stats[name] is not None:
-                out[f"server-suffix-warm{tag}"]["server_stats"] = stats[name]
+            cold[name]["server_stats"] = cold_stats[name]
+            warm[name]["server_stats"] = stats[name]
     if draft is not None:
         out["server-stock-draft"] = cold["stock-draft"]
         out["server-suffix-draft-cold"] = cold["suffix-draft"]
         out["server-suffix-draft-warm"] = warm["suffix-draft"]
-        if stats["suffix-draft"] is not None:
-            out["server-suffix-draft-warm"]["server_stats"] = stats["suffix-draft"]
+        cold["suffix-draft"]["server_stats"] = cold_stats["suffix-draft"]
+        warm["suffix-draft"]["server_stats"] = stats["suffix-draft"]
     return out
 
 
