@@ -10,6 +10,7 @@ from mlx_lm import load
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from test_families import _assert_cache_is_fresh_prefill, _prompts
+from test_policy import _counting_model
 
 from mlx_lm_suffix import SuffixDrafter
 from mlx_lm_suffix.batch import SuffixBatchGenerator
@@ -71,20 +72,6 @@ def test_every_family_as_target_and_as_draft(family, tiny_family_path):
                                        prompt + out, f"{family}: both models' cache")
 
 
-class _Counting:
-    """A model that counts its forwards (and otherwise is the model)."""
-
-    def __init__(self, model: Any):
-        self.model, self.forwards = model, 0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.forwards += 1
-        return self.model(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
-
-
 def test_the_draft_model_keeps_its_drafted_positions_as_stocks(tiny_family_path):
     """As stock's speculative decoding, the draft model keeps the positions
     it drafted: a verification feeds it none of them (the last drafted
@@ -94,8 +81,8 @@ def test_the_draft_model_keeps_its_drafted_positions_as_stocks(tiny_family_path)
     the cache of both models a fresh prefill after it."""
     model, tokenizer = _load(tiny_family_path("qwen3"))
     prompt = _prompts(tokenizer, 2)[1]
-    counting = _Counting(model)
-    drafter = _with_draft(model, counting, _every(3))
+    fed, prefilled = [], []
+    drafter = _with_draft(model, _counting_model(tiny_family_path("qwen3"), fed), _every(3))
     paired = drafter.draft_model.pair(model)
     cache = paired.make_cache()
     out = [t for t, _, _ in suffix_generate_step(mx.array(prompt), model, drafter,
@@ -103,11 +90,11 @@ def test_the_draft_model_keeps_its_drafted_positions_as_stocks(tiny_family_path)
     assert out == _stock(model, prompt)
     stats = drafter.stats
     assert stats.draft_steps >= 3 and stats.source_accepted["model"] > 0
-    prefill = _Counting(model)
-    list(generate_step(mx.array(prompt), prefill, max_tokens=0))
+    list(generate_step(mx.array(prompt), _counting_model(tiny_family_path("qwen3"), prefilled),
+                       max_tokens=0))
     # the prompt's forwards, the drafts', the plain steps' and the request's end
-    most = prefill.forwards + stats.model_forwards + stats.steps - stats.draft_steps + 1
-    assert counting.forwards <= most, (counting.forwards, most, stats)
+    most = len(prefilled) + stats.model_forwards + stats.steps - stats.draft_steps + 1
+    assert len(fed) <= most, (len(fed), most, stats)
     _assert_cache_is_fresh_prefill(paired, cache, prompt + out, "both models' cache")
 
 

@@ -127,7 +127,7 @@ class Paired:
         expected = self._expect.pop(entry, None)
         ahead = self._ahead.pop(entry, None)
         if ahead is None:
-            missing = self.missing(cache, inputs.shape[1]) if entry in self._fed else []
+            missing = self.missing(cache, inputs.shape[1])
             if not missing:
                 return inputs
             return mx.concatenate([mx.array([missing], inputs.dtype), inputs], axis=1)
@@ -287,7 +287,7 @@ class DraftModel:
             if logits is None:
                 return [], [], 0.0
         else:
-            missing = paired.missing(cache) if lazy else []
+            missing = paired.missing(cache)
             x = first[:, None]
             if missing:
                 x = mx.concatenate([mx.array([missing], x.dtype), x], axis=1)
