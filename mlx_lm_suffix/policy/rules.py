@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..stats import DraftStats
 from .calibration import Calibration, ModelRate, given, given_first
@@ -160,8 +160,9 @@ class Policy:
         if budget is not None and not self.cost_aware:
             return 0
         if n and self.cost_aware:
-            chosen = best_length(self.probs(draft), self.cost, pipelined, replay, budget,
-                                 self.wait_s)
+            # (A draft model's draft: its widths priced as model_steps does.)
+            cost = self.cost.least if draft.source == "model" else self.cost
+            chosen = best_length(self.probs(draft), cost, pipelined, replay, budget, self.wait_s)
             n = chosen if budget is not None else self._explore(chosen, n)
             n = self._credit_cut(draft, n, pipelined, replay)
         return 0 if pipelined and n < 2 else n
@@ -306,7 +307,11 @@ class Policy:
         the rates): the expected tokens a step commits are each row's
         pending token plus its accepted draft tokens, over the step's time,
         the draft forwards included; the drafts' own estimates then cut them
-        as any draft (:meth:`batch_lengths`)."""
+        as any draft (:meth:`batch_lengths`). One sequence's widths are
+        priced at the least they may cost (:meth:`VerifyCost.least`), so a
+        curve that knows only narrow forwards is tried wider, a doubling at
+        a time, where that would pay: a draft model's length is bounded by
+        its tokens' rate and its own forwards' cost."""
         if limit <= 0 or not rates:
             return 0
         if not self.cost_aware or self.draft_cost is None:
@@ -323,10 +328,10 @@ class Policy:
                 if k < 2:
                     continue
                 width = k
-                step = plain + self.cost(rows * k, rows=rows) + (k - 1) * draft + self.wait_s
+                step = plain + self.cost.least(rows * k, rows=rows) + (k - 1) * draft + self.wait_s
             else:
                 width = k + 1
-                step = self.cost(rows * (k + 1), rows=rows) + k * draft + self.wait_s
+                step = self.cost.least(rows * (k + 1), rows=rows) + k * draft + self.wait_s
             if held:
                 step -= self.draft_cost(width)
             gain = rows + m * expected  # (pipelined too: f * (1 + t + ... + t ** (k - 2)) + ...)
@@ -478,7 +483,7 @@ class Policy:
 
 def best_length(
     probs: Sequence[float],
-    cost: VerifyCost,
+    cost: Callable[[int], float],
     pipelined: bool = False,
     replay: bool = False,
     budget: Optional[float] = None,
@@ -487,7 +492,8 @@ def best_length(
     """Draft length maximising expected committed tokens per second for one
     sequence; ``0`` when no draft beats a plain step. ``probs``: cumulative
     acceptance probabilities (the trees' estimates scaled by
-    :meth:`Calibration.scale`).
+    :meth:`Calibration.scale`); ``cost``: a forward's seconds by its tokens
+    (:class:`VerifyCost`, or its :meth:`~VerifyCost.least`).
 
     Not pipelined, the verifying forward feeds the last committed token plus
     the draft. Pipelined, the plain forward after the last committed token is
@@ -536,8 +542,8 @@ def best_length(
     return best
 
 
-def _verify_s(n: int, full: float, gain: float, cost: VerifyCost, replay: bool, wait: float
-              ) -> float:
+def _verify_s(n: int, full: float, gain: float, cost: Callable[[int], float], replay: bool,
+              wait: float) -> float:
     """Expected seconds of verifying the first ``n`` tokens of a draft
     after a known token (see :func:`best_length`): ``full`` the chance all
     ``n`` hold, ``gain`` the tokens it is expected to commit."""
