@@ -85,16 +85,17 @@ class VerifyCost:
 
     def least(self, n: int, rows: int = 1) -> float:
         """The least a one-sequence forward of ``n`` tokens may cost, up to
-        twice the widest point: past that point, its cost (a wider forward
-        never costs less); further out, the curve. A length chosen at this
-        price times a forward at most twice the widest, which becomes a
-        point (:meth:`observe`), so the curve's guess past its widest point
-        (which errs dear where a forward's cost jumps from 1 token to 2 and
-        then grows slowly) is tried a doubling at a time, each try losing
-        at most about one forward of the widest point's cost. A batch's
-        forward (``rows`` > 1): its cost (:meth:`__call__`)."""
+        four times the widest point: past that point, its cost (a wider
+        forward never costs less); further out, the curve. A length chosen
+        at this price times a forward that, past twice the widest point,
+        becomes a point (:meth:`observe`), so the curve's guess past its
+        widest point (which errs dear where a forward's cost jumps from 1
+        token to 2 and then grows slowly) is tried a step of at most four
+        times the width at a time, each try losing at most about three
+        forwards of the widest point's cost. A batch's forward (``rows`` >
+        1): its cost (:meth:`__call__`)."""
         last = self._sizes[-1]
-        return self.points[last] if rows == 1 and last < n <= 2 * last else self(n, rows)
+        return self.points[last] if rows == 1 and last < n <= 4 * last else self(n, rows)
 
     def _interpolate(self, n: int) -> float:
         sizes, pts = self._sizes, self.points
@@ -158,10 +159,9 @@ class VerifyCost:
 
     def observe(self, n: int, seconds: float, rows: int = 1) -> None:
         """Learn from a real step's time: for one sequence, refine the
-        nearest point within a factor of two of ``n`` (with none, where
-        ``n`` is wider than every point, or where the nearest is the plain
-        step's and ``n`` is more, the step becomes a point of its own); for
-        a batch, the factor of its shape (the mean of its
+        nearest point within a factor of two of ``n`` (with none, or where
+        that is the plain step's and ``n`` is more, the step becomes a point
+        of its own); for a batch, the factor of its shape (the mean of its
         first steps, then a moving average)."""
         if not self.smoothing:
             return
@@ -173,7 +173,7 @@ class VerifyCost:
             self._batch_costs.clear()
             return
         near = min(self._sizes, key=lambda s: abs(s - n))
-        if near != n and (near == 1 or n > self._sizes[-1] or not near / 2 <= n <= near * 2):
+        if near != n and (near == 1 or not near / 2 <= n <= near * 2):
             self.points[n] = seconds
             self._sizes = sorted(self.points)
             self._envelope()

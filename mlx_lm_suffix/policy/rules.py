@@ -309,8 +309,8 @@ class Policy:
         the draft forwards included; the drafts' own estimates then cut them
         as any draft (:meth:`batch_lengths`). One sequence's widths are
         priced at the least they may cost (:meth:`VerifyCost.least`), so a
-        curve that knows only narrow forwards is tried wider, a doubling at
-        a time, where that would pay: a draft model's length is bounded by
+        curve that knows only narrow forwards is tried wider, a step at a
+        time, where that would pay: a draft model's length is bounded by
         its tokens' rate and its own forwards' cost."""
         if limit <= 0 or not rates:
             return 0
