@@ -19,19 +19,26 @@ from test_server import Server  # noqa: E402
 EXAMPLES = 300
 
 
-def test_fuzz_bounded_profile(tmp_path):
-    """The bounded profile, run as the longer ones are: ``mlx-lm-suffix soak --fuzz``."""
-    out = tmp_path / "fuzz.json"
+@pytest.mark.parametrize("paired", [False, True])
+def test_fuzz_bounded_profile(tmp_path, tiny_model_path, paired):
+    """The bounded profile, run as the longer ones are: ``mlx-lm-suffix soak
+    --fuzz``; and with the suffix server paired with a draft model (the
+    target itself, the fixed policy: it drafts wherever the trees do not,
+    and its drafts hold), half as many examples."""
+    out, examples = tmp_path / "fuzz.json", EXAMPLES // 2 if paired else EXAMPLES
+    draft = ["--draft-model", str(tiny_model_path), "--policy", "fixed"] if paired else []
     run = subprocess.run(
-        [sys.executable, "-m", "mlx_lm_suffix", "soak", "--fuzz", "--examples", str(EXAMPLES),
+        [sys.executable, "-m", "mlx_lm_suffix", "soak", "--fuzz", "--examples", str(examples),
+         "--model", str(tiny_model_path), *draft,
          "--seed", "0", "--log-dir", str(tmp_path / "logs"), "--json-out", str(out)],
         capture_output=True, text=True, timeout=900)
-    assert f"fuzz: {EXAMPLES} examples" in run.stdout, run.stdout + run.stderr
+    assert f"fuzz: {examples} examples" in run.stdout, run.stdout + run.stderr
     result = json.loads(out.read_text())
     assert result["findings"] == []
-    assert result["examples"] == EXAMPLES and result["shapes"] > EXAMPLES // 3
-    assert result["outcomes"].get("stock ok / suffix ok", 0) > EXAMPLES // 4  # answers compared
-    assert result["witness"] == {"sent": EXAMPLES, "harmed": []}
+    assert (result["source_accepted"].get("model", 0) > 0) == paired
+    assert result["examples"] == examples and result["shapes"] > examples // 3
+    assert result["outcomes"].get("stock ok / suffix ok", 0) > examples // 4  # answers compared
+    assert result["witness"] == {"sent": examples, "harmed": []}
     assert result["suffix_restarts"] == 0 and result["generation_loop_failures"] == 0
     assert result["rss_growth_after_warmup_mb"] <= result["rss_growth_limit_mb"]
     assert result["ok"] and run.returncode == 0

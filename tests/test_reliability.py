@@ -554,13 +554,25 @@ def test_sigterm_exits_within_its_grace_when_a_step_does_not_end(tiny_model_path
 
 
 # --------------------------------------------------------------- soak
-def test_soak_small(tmp_path):
+@pytest.mark.parametrize("draft", [None, "qwen3", "qwen3_5"])
+def test_soak_small(tmp_path, tiny_family_path, draft):
+    """The soak, and with a draft model paired with the suffix server (the
+    fixed policy: a draft model as dear as the target drafts too): the
+    target itself (its drafts hold) and a hybrid model (whose cache restores
+    on rollback; a random model's drafts fail): outputs stock's, bounds
+    kept, the draft model drafted."""
     from mlx_lm_suffix.tools.soak import run_soak
 
+    draft_model = str(tiny_family_path(draft)) if draft else None
     result = run_soak(requests=40, distinct_prompts=10, max_tokens=24,
                       max_cached_requests=8, max_cached_tokens=1000,
                       rss_interval=0.5, log_dir=str(tmp_path), seed=1,
-                      json_out=str(tmp_path / "soak.json"), echo=lambda s: None)
+                      json_out=str(tmp_path / "soak.json"), echo=lambda s: None,
+                      draft_model=draft_model, policy="fixed" if draft else "adaptive")
+    assert result["draft_model"] == draft_model
+    assert (result["source_drafted"].get("model", 0) > 0) == (draft is not None)
+    if draft == "qwen3":  # (the target as its own draft model: its greedy drafts hold)
+        assert result["source_accepted"]["model"] > result["source_drafted"]["model"] // 2
     assert result["mismatches"] == [] and result["errors"] == 0, result
     assert result["completed"] + result["disconnected"] == 40
     assert result["active_requests_end"] == 0
@@ -571,5 +583,5 @@ def test_soak_small(tmp_path):
     assert result["tree_responses_end"] == result["cached_requests_end"] == 8
     assert result["max_seen"]["cached_tokens"] <= 1000
     assert result["rss_growth_after_warmup_mb"] <= result["rss_growth_limit_mb"]
-    assert result["policy"] == "adaptive" and result["accepted"] > 0  # the default policy
+    assert result["policy"] == ("fixed" if draft else "adaptive") and result["accepted"] > 0
     assert json.loads((tmp_path / "soak.json").read_text())["ok"] is True

@@ -599,9 +599,17 @@ def demo_command(
                    "to a stock and a suffix server side by side (--examples, --seed, --model, "
                    "--log-dir, --json-out apply).")
 @click.option("--examples", default=3000, show_default=True, help="With --fuzz: requests to send.")
+@click.option("--draft-model", default=None,
+              help="The suffix server pairs this draft model (--draft suffix --draft-model); "
+                   "the stock server it is checked against has none.")
+@click.option("--policy", type=click.Choice(["adaptive", "fixed"]), default="adaptive",
+              show_default=True,
+              help="The suffix server's --suffix-policy (fixed: drafts as proposed, so a draft "
+                   "model drafts even where its forward costs the target's).")
 def soak_command(model, n_requests, max_tokens, max_concurrency, distinct_prompts,
                  disconnect_rate, max_cached_requests, max_cached_tokens, seed,
-                 rss_growth_limit_mb, log_dir, json_out, fuzz, examples) -> None:
+                 rss_growth_limit_mb, log_dir, json_out, fuzz, examples, draft_model,
+                 policy) -> None:
     """Soak a `--draft suffix` server: N requests at mixed concurrency with
     disconnects; checks outputs against a stock server, leaks and bounds.
     With --fuzz: answers to generated requests against a stock server's,
@@ -610,7 +618,8 @@ def soak_command(model, n_requests, max_tokens, max_concurrency, distinct_prompt
         from .fuzz import run_fuzz
 
         result = run_fuzz(model=model, examples=examples, seed=seed, log_dir=log_dir,
-                          json_out=json_out, echo=click.echo)
+                          json_out=json_out, echo=click.echo, draft_model=draft_model,
+                          policy=policy)
         sys.exit(0 if result["ok"] else 1)
     from .soak import run_soak
 
@@ -620,6 +629,6 @@ def soak_command(model, n_requests, max_tokens, max_concurrency, distinct_prompt
         disconnect_rate=disconnect_rate, max_cached_requests=max_cached_requests,
         max_cached_tokens=max_cached_tokens, seed=seed,
         rss_growth_limit_mb=rss_growth_limit_mb, log_dir=log_dir,
-        json_out=json_out, echo=click.echo,
+        json_out=json_out, echo=click.echo, draft_model=draft_model, policy=policy,
     )
     sys.exit(0 if result["ok"] else 1)

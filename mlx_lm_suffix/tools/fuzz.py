@@ -10,7 +10,10 @@ deeper than the parser goes, wrong or missing Content-Length and
 Content-Type, extra headers. Each goes to a stock server (mlx-lm not
 patched at all) and to a ``--draft suffix`` server on the same model, one
 after the other, with a greedy witness request sent to the suffix server
-beside each. Checked:
+beside each (``draft_model``: the suffix server pairs it, ``--draft suffix
+--draft-model D``, and every check holds against the same stock server,
+which has none; ``policy``: the suffix server's ``--suffix-policy``).
+Checked:
 
 - the suffix server answers every request (never drops a connection, never
   hangs, never a 5xx, never a stream that ends without ``[DONE]`` or a
@@ -38,8 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .launcher import HOST, ServerProcess
-from .soak import RSS_SLACK_MB, TREE_BYTES_PER_TOKEN
+from .launcher import HOST
+from .soak import RSS_SLACK_MB, TREE_BYTES_PER_TOKEN, _Server, counts_by_source
 
 __all__ = ["run_fuzz", "Case", "Answer", "compare", "json_case"]
 
@@ -432,21 +435,24 @@ def intended(case: Case, stock: Answer, suffix: Answer) -> Optional[str]:
 class _Servers:
     """The stock and suffix servers, started again when one dies."""
 
-    def __init__(self, model: str, logs: Path):
+    def __init__(self, model: str, logs: Path, draft_model: Optional[str] = None,
+                 policy: str = "adaptive"):
         self.model, self.logs = model, logs
         self.restarts = {"stock": 0, "suffix": 0}
         common = ["--max-tokens", str(SERVER_MAX_TOKENS)]
+        paired = ["--draft-model", draft_model] if draft_model else []
         # Stock: mlx-lm not patched at all; no hub (a model name that is not
         # a folder fails at once).
         self.args = {"stock": common, "suffix": [
-            *common, "--draft", "suffix", "--suffix-max-cached-requests", str(CACHED_REQUESTS),
+            *common, "--draft", "suffix", "--suffix-policy", policy, *paired,
+            "--suffix-max-cached-requests", str(CACHED_REQUESTS),
             "--suffix-max-cached-tokens", str(CACHED_TOKENS)]}
         self.env = {"stock": {"MLX_LM_SUFFIX_AUTOLOAD": "0", "HF_HUB_OFFLINE": "1"},
                     "suffix": {"HF_HUB_OFFLINE": "1"}}
         self.servers = {name: self._start(name) for name in ("stock", "suffix")}
 
-    def _start(self, name: str) -> ServerProcess:
-        return ServerProcess(self.model, *self.args[name], env=self.env[name],
+    def _start(self, name: str) -> _Server:
+        return _Server(self.model, *self.args[name], env=self.env[name],
                              log=self.logs / f"{name}.log", append_log=True)
 
     def port(self, name: str) -> int:
@@ -503,9 +509,13 @@ def run_fuzz(
     json_out: Optional[str] = None,
     witness: bool = True,
     echo: Callable[[str], None] = print,
+    draft_model: Optional[str] = None,
+    policy: str = "adaptive",
 ) -> Dict[str, Any]:
     """Run ``examples`` generated requests against a stock and a suffix
-    server (``model``: default the tiny test model); returns (and writes to
+    server (``model``: default the tiny test model; ``draft_model``: the
+    suffix server's, where it has one; ``policy``: its draft policy);
+    returns (and writes to
     ``json_out``) a summary whose ``ok`` says whether there were no
     findings and memory stayed within :data:`RSS_LIMIT_MB`."""
     import tempfile
@@ -521,9 +531,11 @@ def run_fuzz(
     vocab = _vocabulary(model)
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="mlx-lm-suffix-fuzz-"))
     logs.mkdir(parents=True, exist_ok=True)
-    echo(f"fuzz: model {model} (logits {vocab}); logs in {logs}")
+    echo(f"fuzz: model {model} (logits {vocab})"
+         + (f", the suffix server's draft model {draft_model}" if draft_model else "")
+         + f"; logs in {logs}")
     t0 = time.monotonic()
-    servers = _Servers(model, logs)
+    servers = _Servers(model, logs, draft_model, policy)
     watcher = _Witness(send(servers.port("stock"), json_case(WITNESS)).text) if witness else None
     rss: List[Tuple[int, float]] = []
     tally: Dict[str, Any] = {"sent": 0, "shapes": set(), "findings": [], "intended": {},
@@ -586,6 +598,7 @@ def run_fuzz(
     try:
         one()
         sample_rss()
+        suffix_stats = servers.servers["suffix"].stats()
         suffix_log = servers.servers["suffix"].log()
     finally:
         servers.stop()
@@ -593,6 +606,8 @@ def run_fuzz(
     growth = max(r for _, r in rss) - warm[0]
     result = {
         "model": model,
+        "draft_model": draft_model,
+        "policy": policy,
         "seed": seed,
         "examples": tally["sent"],
         "shapes": len(tally["shapes"]),
@@ -604,6 +619,8 @@ def run_fuzz(
         "suffix_restarts": servers.restarts["suffix"],
         "outcomes": dict(sorted(tally["outcomes"].items(), key=lambda kv: -kv[1])),
         "witness": {"sent": watcher.sent, "harmed": watcher.harmed} if watcher else None,
+        "source_drafted": counts_by_source(suffix_stats, "source_drafted"),
+        "source_accepted": counts_by_source(suffix_stats, "source_accepted"),
         "generation_loop_failures": suffix_log.count("the generation loop failed"),
         "rows_failed_alone": suffix_log.count("the request fails alone"),
         "rss_mb": {"first": round(rss[0][1], 1), "warm": round(warm[0], 1),
@@ -625,7 +642,8 @@ def run_fuzz(
         f"{result['witness']['sent'] if watcher else 0} requests, "
         f"{len(watcher.harmed) if watcher else 0} harmed; rows failed alone "
         f"{result['rows_failed_alone']}, generation loop failures "
-        f"{result['generation_loop_failures']}\n"
+        f"{result['generation_loop_failures']}; the suffix server drafted "
+        f"{result['source_drafted']}, accepted {result['source_accepted']}\n"
         f"fuzz: suffix RSS first {result['rss_mb']['first']} MB, warm {result['rss_mb']['warm']}, "
         f"max {result['rss_mb']['max']}, last {result['rss_mb']['last']}; growth after warm-up "
         f"{result['rss_growth_after_warmup_mb']}/{RSS_LIMIT_MB:.1f} MB\n"

@@ -122,6 +122,16 @@ def _slope_mb_per_min(samples: List[Tuple[float, int]]) -> float:
     return 60 * sum((t - tm) * (y - ym) for t, y in zip(ts, ys)) / var
 
 
+def counts_by_source(stats: Dict[str, Any], key: str) -> Dict[str, int]:
+    """A per-source count (``source_drafted``, ``source_accepted``) of a
+    stats body, summed over its models."""
+    out: Dict[str, int] = {}
+    for m in stats.get("models", []):
+        for source, n in (m.get(key) or {}).items():
+            out[source] = out.get(source, 0) + n
+    return out
+
+
 def run_soak(
     model: Optional[str] = None,
     requests: int = 500,
@@ -138,10 +148,16 @@ def run_soak(
     log_dir: Optional[str] = None,
     json_out: Optional[str] = None,
     echo: Callable[[str], None] = print,
+    draft_model: Optional[str] = None,
+    policy: str = "adaptive",
 ) -> Dict[str, Any]:
     """Run the soak; returns (and optionally writes) a summary dict whose
     ``ok`` says whether every check passed. The suffix server runs with
-    the default (adaptive) policy."""
+    ``policy`` (``--suffix-policy``; ``fixed`` drafts as proposed, so a
+    draft model drafts even where its forward costs what the target's
+    does), and pairs ``draft_model`` where one is given
+    (``--draft-model``; the stock server that gives the reference outputs
+    has none)."""
     import tempfile
 
     import psutil
@@ -165,15 +181,20 @@ def run_soak(
             "temperature": 0,
         }
 
-    echo(f"soak: model {model}; logs in {logs}")
+    echo(f"soak: model {model}"
+         + (f", the suffix server's draft model {draft_model}" if draft_model else "")
+         + f"; logs in {logs}")
     with _Server(model, log=logs / "stock.log") as stock:
         reference = [stock.chat(body(i)) for i in range(distinct_prompts)]
     echo(f"soak: {distinct_prompts} reference outputs from the stock server "
          f"({time.monotonic() - t_start:.1f} s)")
 
+    paired = ("--draft-model", draft_model) if draft_model else ()
     suffix = _Server(
         model,
         "--draft", "suffix",
+        "--suffix-policy", policy,
+        *paired,
         "--suffix-max-cached-requests", max_cached_requests,
         "--suffix-max-cached-tokens", max_cached_tokens,
         log=logs / "suffix.log",
@@ -286,6 +307,7 @@ def run_soak(
     rss_growth = mb(max(0, peak - warm[0]))
     result = {
         "model": model,
+        "draft_model": draft_model,
         "policy": final["policy"],
         "requests": requests,
         "max_tokens": max_tokens,
@@ -306,6 +328,8 @@ def run_soak(
         "cached_requests_end": final["cached_requests"],
         "drafted": final["drafted"],
         "accepted": final["accepted"],
+        "source_drafted": counts_by_source(final, "source_drafted"),
+        "source_accepted": counts_by_source(final, "source_accepted"),
         "acceptance_rate": round(final["acceptance_rate"], 3),
         "tokens_per_step": round(final["tokens_per_step"], 3),
         "rss_mb": {"first": mb(rss[0][1]), "warm": mb(warm[0]),
