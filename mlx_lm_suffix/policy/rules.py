@@ -160,8 +160,9 @@ class Policy:
         if budget is not None and not self.cost_aware:
             return 0
         if n and self.cost_aware:
-            # (A draft model's draft: its widths priced as model_steps does.)
-            cost = self.cost.least if draft.source == "model" else self.cost
+            # (A draft model's draft: its widths priced as model_steps does,
+            # but where prompts wait, as the curve guesses.)
+            cost = self.cost.least if draft.source == "model" and budget is None else self.cost
             chosen = best_length(self.probs(draft), cost, pipelined, replay, budget, self.wait_s)
             n = chosen if budget is not None else self._explore(chosen, n)
             n = self._credit_cut(draft, n, pipelined, replay)
