@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .launcher import HOST
-from .soak import RSS_SLACK_MB, TREE_BYTES_PER_TOKEN, _Server, counts_by_source
+from .soak import RSS_SLACK_MB, TREE_BYTES_PER_TOKEN, SoakServer, counts_by_source
 
 __all__ = ["run_fuzz", "Case", "Answer", "compare", "json_case"]
 
@@ -451,8 +451,8 @@ class _Servers:
                     "suffix": {"HF_HUB_OFFLINE": "1"}}
         self.servers = {name: self._start(name) for name in ("stock", "suffix")}
 
-    def _start(self, name: str) -> _Server:
-        return _Server(self.model, *self.args[name], env=self.env[name],
+    def _start(self, name: str) -> SoakServer:
+        return SoakServer(self.model, *self.args[name], env=self.env[name],
                              log=self.logs / f"{name}.log", append_log=True)
 
     def port(self, name: str) -> int:

@@ -43,8 +43,8 @@ TREE_BYTES_PER_TOKEN = 1024
 RSS_SLACK_MB = 64.0
 
 
-class _Server(ServerProcess):
-    """A server with the soak's requests."""
+class SoakServer(ServerProcess):
+    """A server with the soak's requests and its stats (the fuzzer's too)."""
 
     def _get(self, path: str) -> Any:
         with urllib.request.urlopen(self.url + path, timeout=30) as r:
@@ -184,13 +184,13 @@ def run_soak(
     echo(f"soak: model {model}"
          + (f", the suffix server's draft model {draft_model}" if draft_model else "")
          + f"; logs in {logs}")
-    with _Server(model, log=logs / "stock.log") as stock:
+    with SoakServer(model, log=logs / "stock.log") as stock:
         reference = [stock.chat(body(i)) for i in range(distinct_prompts)]
     echo(f"soak: {distinct_prompts} reference outputs from the stock server "
          f"({time.monotonic() - t_start:.1f} s)")
 
     paired = ("--draft-model", draft_model) if draft_model else ()
-    suffix = _Server(
+    suffix = SoakServer(
         model,
         "--draft", "suffix",
         "--suffix-policy", policy,
