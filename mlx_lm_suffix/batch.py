@@ -131,7 +131,6 @@ class Verification:
     first: int  # 1: each draft's first token was the input it fed first
     sampled: mx.array  # (B, W)
     logprobs: mx.array  # (B, W, V)
-    timed: bool = True  # its time is a point of the cost curve
 
     @property
     def width(self) -> int:
@@ -184,10 +183,6 @@ class SuffixGenerationBatch(GenerationBatch):
         # step's time is a plain step's (None: a verification, rows that
         # joined or left, or prefill came between).
         self._plain_at: Optional[float] = None
-        # Whether the cache was reshaped (rows joined or left, its padding
-        # compacted) since the last forward: the next forward computes the
-        # lazy copy too, so its time is not a verification's.
-        self._reshaped = False
         # Rows that left during a call, finished once its forward is queued.
         self._leaving: Optional[List[Row]] = None
         #: ``budget(joined)``: whether a step must be stock's alone (rows
@@ -231,7 +226,7 @@ class SuffixGenerationBatch(GenerationBatch):
         self._undo_held()
         n0 = len(self.uids)
         super().extend(batch)
-        self.phase, self._plain_at, self._reshaped = Phase.STEP, None, True
+        self.phase, self._plain_at = Phase.STEP, None
         if isinstance(batch, SuffixGenerationBatch):
             self.rows.extend(batch.rows)
             batch.rows = []  # now owned by self
@@ -243,7 +238,7 @@ class SuffixGenerationBatch(GenerationBatch):
 
     def filter(self, keep: List[int]) -> None:
         self._undo_held()
-        kept, self._plain_at, self._reshaped = set(keep), None, True
+        kept, self._plain_at = set(keep), None
         gone = [row for i, row in enumerate(self.rows) if i not in kept]
         if self._leaving is None:
             for row in gone:
@@ -422,7 +417,6 @@ class SuffixGenerationBatch(GenerationBatch):
         """Stock's step: every row emits its pending token, the forward
         after them is queued, rows that finish leave."""
         rows = self.rows
-        self._reshaped = False  # (its forward computes the copy; rows leave after it)
         responses = super().next()
         now = time.perf_counter()
         if self._plain_at is not None and self.drafter is not None:
@@ -454,7 +448,6 @@ class SuffixGenerationBatch(GenerationBatch):
         over the row's tokens so far, and each row samples all its
         positions. The rows' trees grow while it runs."""
         started, self._plain_at = time.perf_counter(), None
-        timed, self._reshaped = not self._reshaped, False
         inputs = [[p] + d.tokens[first:] for p, d in zip(pending, drafts)]
         width = max(map(len, inputs))
         saved = rollback.checkpoint(self.prompt_cache)
@@ -474,15 +467,14 @@ class SuffixGenerationBatch(GenerationBatch):
         mx.async_eval(sampled, logprobs)
         for row in self.rows:
             row.grow()
-        return Verification(started, saved, inputs, drafts, first, sampled, logprobs, timed)
+        return Verification(started, saved, inputs, drafts, first, sampled, logprobs)
 
     def _settle(self, v: Verification) -> List[GenerationBatch.Response]:
         """Read a verification: each row accepts what held, emits it, and
         its cache goes back to its emitted tokens; the responses."""
         mx.eval(v.sampled, v.logprobs)
-        if v.timed:
-            self.policy.observe(v.width * len(v.inputs), time.perf_counter() - v.started,
-                                rows=len(v.inputs))
+        self.policy.observe(v.width * len(v.inputs), time.perf_counter() - v.started,
+                            rows=len(v.inputs))
         targets = v.sampled.tolist()
         result = time.perf_counter()
         accepted = [accept(r, d, v.first, t) for r, d, t in zip(self.rows, v.drafts, targets)]
@@ -520,7 +512,6 @@ class SuffixGenerationBatch(GenerationBatch):
         self.draft_stats.count_verification(W, emitted, accepted, replayed, bool(v.first))
         if rollback.compact(self.prompt_cache, len(self.uids), COMPACT_LEFT_PADDING):
             self.draft_stats.compactions += 1
-            self._reshaped = True
 
         before = internals.pending_logprobs(self)
         tokens = v.sampled[mx.arange(B), mx.array(accepted)]

@@ -980,54 +980,6 @@ def test_a_batch_learns_its_plain_step_from_its_own_steps(model_and_tokenizer, p
     assert (2, 1) in drafter.policy.cost.batch_factors
 
 
-def test_a_verification_that_computes_a_reshaped_cache_is_not_timed(model_and_tokenizer, prompts,
-                                                                     monkeypatch):
-    """Where rows left or joined, the cache's copy is lazy and the next
-    forward computes it too: a verification that is that forward is not a
-    point of the cost curve (at 7 of 8 rows on this CPU it took 1.74x the
-    next ones' time, and a batch shape seen once or twice kept that price),
-    while every other verification is. Outputs stock's."""
-    from mlx_lm_suffix import batch
-
-    model, tokenizer = model_and_tokenizer
-    max_tokens = [MAX_TOKENS // 2, MAX_TOKENS, 2 * MAX_TOKENS] * 2  # (rows leave in turn)
-    ref, _ = _stock_run(model, tokenizer, prompts, max_tokens)
-    drafter = SuffixDrafter(policy="adaptive", cost=VerifyCost({1: 1.0, 2: 1.0, 64: 1.0}))
-    events, settling = [], [False]
-    cls = batch.SuffixGenerationBatch
-    for name in ("filter", "extend", "plain", "verify", "_settle"):
-        def spy(self, *a, _f=getattr(cls, name), _name=name, **k):
-            events.append(_name)
-            settling[0] = _name == "_settle"
-            try:
-                return _f(self, *a, **k)
-            finally:
-                settling[0] = False
-        monkeypatch.setattr(cls, name, spy)
-    observe = drafter.policy.observe
-    monkeypatch.setattr(drafter.policy, "observe", lambda n, s, rows=1, unpaired=False: (
-        events.append("timed") if settling[0] else None, observe(n, s, rows, unpaired)))
-    gen = _suffix_gen(model, tokenizer, drafter)
-    for _ in range(2):  # (the second pass repeats: verifications)
-        tokens, _ = _run(gen, prompts, max_tokens)
-        assert tokens == ref
-    gen.close()
-    after_change = timed = 0
-    last_forward = None
-    for i, e in enumerate(events):
-        if e in ("filter", "extend", "plain"):
-            last_forward = e
-        elif e == "verify":
-            settled = events.index("_settle", i)
-            observed = events[settled + 1 : settled + 2] == ["timed"]
-            reshaped = last_forward in ("filter", "extend")
-            assert observed != reshaped, " ".join(events[max(0, i - 8) : i + 4])
-            after_change += reshaped
-            timed += observed
-            last_forward = e
-    assert after_change > 0 and timed > after_change
-
-
 def test_uneven_rollbacks_swap_positions_instead_of_rolling(model_and_tokenizer, prompts):
     """Rows that reject more than the batch's common trim swap their
     rejected positions into their left padding (a few slots, not a roll of
