@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .launcher import HOST
-from .soak import RSS_SLACK_MB, TREE_BYTES_PER_TOKEN, SoakServer, counts_by_source
+from .soak import RSS_SLACK_MB, TREE_BYTES_PER_TOKEN, SoakServer, counts_by_source, suffix_args
 
 __all__ = ["run_fuzz", "Case", "Answer", "compare", "json_case"]
 
@@ -440,11 +440,10 @@ class _Servers:
         self.model, self.logs = model, logs
         self.restarts = {"stock": 0, "suffix": 0}
         common = ["--max-tokens", str(SERVER_MAX_TOKENS)]
-        paired = ["--draft-model", draft_model] if draft_model else []
         # Stock: mlx-lm not patched at all; no hub (a model name that is not
         # a folder fails at once).
         self.args = {"stock": common, "suffix": [
-            *common, "--draft", "suffix", "--suffix-policy", policy, *paired,
+            *common, *suffix_args(policy, draft_model),
             "--suffix-max-cached-requests", str(CACHED_REQUESTS),
             "--suffix-max-cached-tokens", str(CACHED_TOKENS)]}
         self.env = {"stock": {"MLX_LM_SUFFIX_AUTOLOAD": "0", "HF_HUB_OFFLINE": "1"},
@@ -453,7 +452,7 @@ class _Servers:
 
     def _start(self, name: str) -> SoakServer:
         return SoakServer(self.model, *self.args[name], env=self.env[name],
-                             log=self.logs / f"{name}.log", append_log=True)
+                          log=self.logs / f"{name}.log", append_log=True)
 
     def port(self, name: str) -> int:
         return self.servers[name].port

@@ -122,6 +122,13 @@ def _slope_mb_per_min(samples: List[Tuple[float, int]]) -> float:
     return 60 * sum((t - tm) * (y - ym) for t, y in zip(ts, ys)) / var
 
 
+def suffix_args(policy: str = "adaptive", draft_model: Optional[str] = None) -> List[str]:
+    """A suffix server's drafting arguments: ``--draft suffix`` with
+    ``policy``, paired with ``draft_model`` where one is given."""
+    return ["--draft", "suffix", "--suffix-policy", policy,
+            *(["--draft-model", draft_model] if draft_model else [])]
+
+
 def counts_by_source(stats: Dict[str, Any], key: str) -> Dict[str, int]:
     """A per-source count (``source_drafted``, ``source_accepted``) of a
     stats body, summed over its models."""
@@ -189,12 +196,9 @@ def run_soak(
     echo(f"soak: {distinct_prompts} reference outputs from the stock server "
          f"({time.monotonic() - t_start:.1f} s)")
 
-    paired = ("--draft-model", draft_model) if draft_model else ()
     suffix = SoakServer(
         model,
-        "--draft", "suffix",
-        "--suffix-policy", policy,
-        *paired,
+        *suffix_args(policy, draft_model),
         "--suffix-max-cached-requests", max_cached_requests,
         "--suffix-max-cached-tokens", max_cached_tokens,
         log=logs / "suffix.log",
