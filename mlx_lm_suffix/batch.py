@@ -71,7 +71,7 @@ from .internals import Attached
 from .loop import context_limit
 from .policy.rules import Policy
 from .sources import Draft
-from .sources.draft_model import Paired
+from .sources.draft_model import DraftRows, Paired
 from .speculation import RequestOptions, Row, accept, check, cut, plan, settles
 from .stats import BatchDraftStats
 
@@ -131,6 +131,7 @@ class Verification:
     first: int  # 1: each draft's first token was the input it fed first
     sampled: mx.array  # (B, W)
     logprobs: mx.array  # (B, W, V)
+    apart: bool = False  # the target alone was fed (its draft model holds the drafts)
 
     @property
     def width(self) -> int:
@@ -197,7 +198,12 @@ class SuffixGenerationBatch(GenerationBatch):
         #: Where the rows hold their positions (None: rejected positions
         #: roll, see :class:`~mlx_lm_suffix.rollback.SlotOrder`).
         self.slot_order: Optional[rollback.SlotOrder] = None
+        #: The draft model's rows, rolled back apart from the target's
+        #: (None: with them, or no draft model).
+        self.draft_rows: Optional[DraftRows] = None
         super().__init__(*args, **kwargs)
+        if isinstance(self.model, Paired) and self.model.rows_apart():
+            self.draft_rows = DraftRows()
         models = (self.model.target, self.model.draft) if isinstance(self.model, Paired) else (
             self.model,)
         if not any(map(internals.windowed, models)):
@@ -216,15 +222,22 @@ class SuffixGenerationBatch(GenerationBatch):
             opts = self.row_options.pop(self.uids[i], None) or self.default_options
             row = opts.start(self.drafter, self.tokens[i], self.max_tokens[i])
             row.model = paired and row.num_draft_tokens > 0
+            row.holds = row.model and self.draft_rows is not None
             self.rows.append(row)
             if opts.arrived is not None:
                 self.draft_stats.count_wait(_waited(self._verify_spans, opts.arrived))
             if self.slot_order is not None:
                 self.slot_order.rows.append(None)
+            if self.draft_rows is not None:
+                self.draft_rows.add(1)
 
     def extend(self, batch: GenerationBatch) -> None:
         self._undo_held()
+        self._draft_in_step()
         n0 = len(self.uids)
+        if isinstance(batch, SuffixGenerationBatch):
+            batch._undo_held()
+            batch._draft_in_step()
         super().extend(batch)
         self.phase, self._plain_at = Phase.STEP, None
         if isinstance(batch, SuffixGenerationBatch):
@@ -233,6 +246,11 @@ class SuffixGenerationBatch(GenerationBatch):
             if self.slot_order is not None:
                 theirs = batch.slot_order
                 self.slot_order.rows += theirs.rows if theirs else [None] * (len(self.uids) - n0)
+            if self.draft_rows is not None:
+                theirs = batch.draft_rows
+                self.draft_rows.add(len(self.uids) - n0)
+                if theirs is not None:
+                    self.draft_rows.order.rows[n0:] = theirs.order.rows
         else:
             self._add_rows(n0)
 
@@ -249,14 +267,21 @@ class SuffixGenerationBatch(GenerationBatch):
         self.rows = [self.rows[i] for i in keep]
         if self.slot_order is not None:
             self.slot_order.keep(keep)
+        if self.draft_rows is not None:
+            self.draft_rows.keep(keep)
         if isinstance(self.model, Paired) and self.prompt_cache:
             self.model.keep_rows(self.prompt_cache, keep)
 
     def extract_cache(self, idx: int) -> List[Any]:
         self._undo_held()
+        self._draft_in_step()
         cache = super().extract_cache(idx)
+        apart = self.draft_rows is not None
         if self.slot_order is not None:
-            rollback.in_order(self.prompt_cache, cache, self.slot_order, idx)
+            end = -1 if apart else len(cache)
+            rollback.in_order(self.prompt_cache[:end], cache[:end], self.slot_order, idx)
+        if apart:
+            rollback.in_order(self.prompt_cache[-1:], cache[-1:], self.draft_rows.order, idx)
         return cache
 
     def finish_all(self) -> None:
@@ -272,8 +297,22 @@ class SuffixGenerationBatch(GenerationBatch):
         if self.held is None:
             return
         v, self.held = self.held, None
-        rollback.undo_rows(self.prompt_cache, v.saved, v.width, [v.width] * len(v.inputs))
+        rollback.undo_rows(self._target_cache(), v.saved, v.width, [v.width] * len(v.inputs))
+        if self.draft_rows is not None:
+            self.draft_rows.drop_ahead(self.prompt_cache, 0 if v.apart else v.width)
         self.phase = Phase.SETTLED
+
+    def _target_cache(self) -> List[Any]:
+        """The layers rolled back with the target's: all of them, but a
+        draft model's rolled back apart (:class:`DraftRows`)."""
+        return self.prompt_cache[:-1] if self.draft_rows is not None else self.prompt_cache
+
+    def _draft_in_step(self) -> None:
+        """Before a forward that feeds both models, or rows joining or read
+        out: a draft model kept apart in step with the target."""
+        if self.draft_rows is not None and not self.draft_rows.in_step():
+            self.draft_rows.catch_up(self.model.draft, self.prompt_cache,
+                                     [len(t) for t in self.tokens])
 
     # ------------------------------------------------------------- steps
     def next(self) -> List[GenerationBatch.Response]:
@@ -417,6 +456,7 @@ class SuffixGenerationBatch(GenerationBatch):
         """Stock's step: every row emits its pending token, the forward
         after them is queued, rows that finish leave."""
         rows = self.rows
+        self._draft_in_step()
         responses = super().next()
         now = time.perf_counter()
         if self._plain_at is not None and self.drafter is not None:
@@ -440,7 +480,8 @@ class SuffixGenerationBatch(GenerationBatch):
     def model_draft(self, steps: int, settled: bool, contexts: Optional[List[List[int]]]
                     ) -> Tuple[List[List[int]], List[List[float]], float]:
         first = internals.pending_tokens(self) if settled else None
-        return self.drafter.draft_model.draft(self.model, self.prompt_cache, first, steps, contexts)
+        return self.drafter.draft_model.draft(self.model, self.prompt_cache, first, steps, contexts,
+                                              self.draft_rows, [len(t) for t in self.tokens])
 
     def verify(self, pending: List[int], drafts: List[Draft], first: int) -> Verification:
         """Queue one forward over each row's ``[pending] + draft[first:]``,
@@ -450,9 +491,15 @@ class SuffixGenerationBatch(GenerationBatch):
         started, self._plain_at = time.perf_counter(), None
         inputs = [[p] + d.tokens[first:] for p, d in zip(pending, drafts)]
         width = max(map(len, inputs))
-        saved = rollback.checkpoint(self.prompt_cache)
+        apart = self.draft_rows is not None and self.draft_rows.ahead is not None
+        if not apart:
+            self._draft_in_step()
+        saved = rollback.checkpoint(self._target_cache())
         padded = mx.array([x + [0] * (width - len(x)) for x in inputs], dtype=mx.uint32)
-        logits = self.model(padded, cache=self.prompt_cache)
+        if apart:  # (the draft model holds its drafts already)
+            logits = self.model.target_only(padded, self.prompt_cache)
+        else:
+            logits = self.model(padded, cache=self.prompt_cache)
         if any(self.logits_processors):
             logits = mx.stack([
                 sampling.process(p, mx.array(self.tokens[i] + x + [0] * (width - len(x)),
@@ -467,14 +514,14 @@ class SuffixGenerationBatch(GenerationBatch):
         mx.async_eval(sampled, logprobs)
         for row in self.rows:
             row.grow()
-        return Verification(started, saved, inputs, drafts, first, sampled, logprobs)
+        return Verification(started, saved, inputs, drafts, first, sampled, logprobs, apart)
 
     def _settle(self, v: Verification) -> List[GenerationBatch.Response]:
         """Read a verification: each row accepts what held, emits it, and
         its cache goes back to its emitted tokens; the responses."""
         mx.eval(v.sampled, v.logprobs)
         self.policy.observe(v.width * len(v.inputs), time.perf_counter() - v.started,
-                            rows=len(v.inputs))
+                            rows=len(v.inputs), unpaired=v.apart)
         targets = v.sampled.tolist()
         result = time.perf_counter()
         accepted = [accept(r, d, v.first, t) for r, d, t in zip(self.rows, v.drafts, targets)]
@@ -503,14 +550,22 @@ class SuffixGenerationBatch(GenerationBatch):
             finish.append(reason)
         # Each row's cache back to the tokens it emitted.
         held = [len(t) for t in self.tokens]
-        replayed = rollback.undo_rows(self.prompt_cache, v.saved, W, [W - len(e) for e in emitted],
+        target = self._target_cache()
+        replayed = rollback.undo_rows(target, v.saved, W, [W - len(e) for e in emitted],
                                       self.slot_order, held)
         if replayed:
-            rollback.replay_rows(self.model, self.prompt_cache, emitted, self.slot_order, held)
+            model = self.model.target if self.draft_rows is not None else self.model
+            rollback.replay_rows(model, target, emitted, self.slot_order, held)
             for row, e in zip(self.rows, emitted):
                 row.replayed(len(e))
+        if self.draft_rows is not None:
+            self.draft_rows.verified(self.prompt_cache, W, emitted, held)
         self.draft_stats.count_verification(W, emitted, accepted, replayed, bool(v.first))
-        if rollback.compact(self.prompt_cache, len(self.uids), COMPACT_LEFT_PADDING):
+        compacted = rollback.compact(target, len(self.uids), COMPACT_LEFT_PADDING)
+        if self.draft_rows is not None:
+            compacted |= rollback.compact(self.prompt_cache[-1:], len(self.uids),
+                                          COMPACT_LEFT_PADDING)
+        if compacted:
             self.draft_stats.compactions += 1
 
         before = internals.pending_logprobs(self)

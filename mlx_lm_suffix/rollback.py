@@ -497,25 +497,33 @@ def undo_rows(cache: List[Any], saved: Checkpoint, fed: int, rejected: Sequence[
         return False
     kinds = _kinds(cache, BATCH)
     if all(kind.can_trim(c) for c, kind in kinds):
-        common, extra = plan(rejected)
-        for c, kind in kinds:
-            if order is not None and kind is ROWS:
-                kind.swap_rows(c, common, extra, held)
-            else:
-                kind.trim_rows(c, common, extra)
-        if order is not None:
-            order.swapped(extra, held)
+        drop_rows(cache, rejected, order, held)
         return False
     _rewind(kinds, saved, fed)
     return True
 
 
+def drop_rows(cache: List[Any], rejected: Sequence[int], order: Optional[SlotOrder] = None,
+              held: Sequence[int] = ()) -> None:
+    """Drop row ``i``'s last ``rejected[i]`` positions, where every layer of
+    the batch cache can trim (:func:`undo_rows`, whose arguments these are)."""
+    common, extra = plan(rejected)
+    for c, kind in _kinds(cache, BATCH):
+        if order is not None and kind is ROWS:
+            kind.swap_rows(c, common, extra, held)
+        else:
+            kind.trim_rows(c, common, extra)
+    if order is not None:
+        order.swapped(extra, held)
+
+
 def replay_rows(model: Any, cache: List[Any], tokens: Sequence[Sequence[int]],
-                order: Optional[SlotOrder] = None, held: Sequence[int] = ()) -> None:
+                order: Optional[SlotOrder] = None, held: Sequence[int] = ()) -> mx.array:
     """Feed each row its ``tokens`` (right-padded, as mlx-lm's prompt
     processing feeds uneven chunks: ``prepare``, forward, ``finalize``).
     With ``order`` (and ``held``, as for :func:`undo_rows`) the padding
-    leaves the ``BatchKVCache`` layers by a swap, not ``finalize``'s roll."""
+    leaves the ``BatchKVCache`` layers by a swap, not ``finalize``'s roll.
+    Returns the logits after each row's last token (lazy)."""
     lengths = [len(t) for t in tokens]
     width = max(lengths)
     padding = [width - n for n in lengths]
@@ -526,7 +534,7 @@ def replay_rows(model: Any, cache: List[Any], tokens: Sequence[Sequence[int]],
         for c, kind in kinds:
             if not (swap and kind is ROWS):
                 c.prepare(lengths=lengths, right_padding=padding)
-    model(inputs, cache=cache)
+    logits = model(inputs, cache=cache)
     if any(padding):
         for c, kind in kinds:
             if swap and kind is ROWS:
@@ -535,6 +543,7 @@ def replay_rows(model: Any, cache: List[Any], tokens: Sequence[Sequence[int]],
                 kind.finalize(c)
         if swap:
             order.swapped(padding, held)
+    return logits[mx.arange(len(lengths)), mx.array(lengths) - 1]
 
 
 def kv_rows(cache: List[Any]) -> List[Any]:

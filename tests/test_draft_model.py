@@ -180,6 +180,84 @@ def test_batched_rows_draft_from_the_model_and_equal_stock(family, tiny_family_p
     assert drafter.active_requests == 0
 
 
+def _staggered(gen: Any, prompts: List[List[int]], check: Any = None) -> Tuple[dict, dict]:
+    """Three prompts, three more after the third step, the second removed
+    after the fifth; every uid's tokens and finishing response (``check``
+    after every step)."""
+    first = gen.insert(prompts[:3], [MAX_TOKENS] * 3)
+    tokens, finished, steps = {}, {}, 0
+    while (responses := gen.next_generated()) or steps < 3:
+        steps += 1
+        if steps == 3:
+            gen.insert(prompts[3:], [MAX_TOKENS] * 3)
+        if steps == 5:
+            gen.remove([first[1]])
+        for r in responses:
+            tokens.setdefault(r.uid, []).append(r.token)
+            if r.finish_reason is not None:
+                finished[r.uid] = r
+        if check is not None:
+            check(gen)
+    return tokens, finished
+
+
+def test_a_batchs_draft_model_keeps_its_drafted_positions(tiny_family_path, monkeypatch):
+    """A batch's draft model whose every layer trims per row (attention, no
+    window) keeps the positions it drafted, each row its own: the
+    verification of a draft feeds the target alone, and the next draft
+    feeds each row the tokens it lacks before its pending token. With rows
+    joining and leaving mid-run and the left padding compacted whenever
+    any: stock's tokens; after every step each row of the draft model holds
+    the target's tokens less those it lacks plus those it drafted; each
+    finished row's cache, both models', a fresh prefill of its tokens; and
+    the draft model is fed fewer tokens than where its rows roll back with
+    the target's (every verification feeds it)."""
+    from mlx_lm_suffix import batch as batch_module
+
+    monkeypatch.setattr(batch_module, "COMPACT_LEFT_PADDING", 1)
+    model, tokenizer = _load(tiny_family_path("qwen3"))
+    prompts = _prompts(tokenizer, 6)[:6]
+    stock = BatchGenerator(model, stop_tokens=_eos(tokenizer))
+    ref = _batch(stock, prompts, [MAX_TOKENS] * 6)
+    stock.close()
+    checked = []
+
+    def check(gen: Any) -> None:
+        batch = gen.generation_batch
+        if not len(batch):
+            return
+        rows = batch.draft_rows
+        fed = batch.held.width if batch.held is not None else 0  # (a verification queued)
+        ahead = [len(a) for a in rows.ahead] if rows.ahead is not None else [fed] * len(batch)
+        want = [len(t) - len(x) + a for t, x, a in zip(batch.tokens, rows.lack, ahead)]
+        assert batch.prompt_cache[0].offset.tolist() == [len(t) + fed for t in batch.tokens]
+        assert batch.prompt_cache[-1].caches[0].offset.tolist() == want
+        checked.append(any(rows.lack) or rows.ahead is not None)
+
+    fed = {}
+    for apart in (True, False):
+        if not apart:
+            monkeypatch.setattr(Paired, "rows_apart", lambda self: False)
+        fed[apart] = []
+        drafter = _with_draft(model, _counting_model(tiny_family_path("qwen3"), fed[apart]),
+                              _every(3))
+        gen = SuffixBatchGenerator(model, drafter, stop_tokens=_eos(tokenizer))
+        assert (gen.generation_batch.draft_rows is not None) == apart
+        tokens, finished = _staggered(gen, prompts, check if apart else None)
+        gen.close()
+        fed[apart] = list(fed[apart])  # (not the checks' prefills below)
+        outs = list(tokens.values())
+        assert outs[1] == ref[1][: len(outs[1])] and outs[:1] + outs[2:] == ref[:1] + ref[2:]
+        assert drafter.stats.source_accepted.get("model", 0) > 0
+        assert drafter.active_requests == 0
+        if apart:
+            assert any(checked) and gen.draft_stats.compactions > 0
+            for r in finished.values():
+                _assert_cache_is_fresh_prefill(drafter.draft_model.pair(model), r.prompt_cache,
+                                               r.all_tokens, "a finished row's cache")
+    assert sum(fed[True]) < sum(fed[False]) and len(fed[True]) <= len(fed[False])
+
+
 def test_the_policy_runs_the_draft_model_where_its_drafts_hold(tiny_family_path):
     """Adaptive, where a verification of 7 tokens costs 1.7 plain steps, of
     one 1.2 (so a one-token try costs a fifth of a step beyond a plain

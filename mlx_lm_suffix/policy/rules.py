@@ -334,7 +334,7 @@ class Policy:
                 width = k + 1
                 step = self.cost.least(rows * (k + 1), rows=rows) + k * draft + self.wait_s
             if held:
-                step -= self.draft_cost(width)
+                step -= self.draft_cost(rows * width, rows=rows)
             gain = rows + m * expected  # (pipelined too: f * (1 + t + ... + t ** (k - 2)) + ...)
             if gain / step > best_rate:
                 best, best_rate = k, gain / step
@@ -459,7 +459,7 @@ class Policy:
         takes it out where the draft model holds its draft)."""
         if self.cost is not None:
             if unpaired and self.draft_cost is not None:
-                seconds += self.draft_cost(n)
+                seconds += self.draft_cost(n, rows=rows)
             self.cost.observe(n, seconds, rows=rows)
 
     def observe_plain(self, seconds: float, rows: int = 1) -> None:

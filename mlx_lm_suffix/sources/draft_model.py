@@ -36,10 +36,13 @@ next forward, as in stock's. So a step costs the draft model its ``k``
 forwards, not one more for the verification. Rollback still drops the
 same positions of both models, so the tokens the draft model lacks are the
 target's last ones, fed first by its next forward; a request's end or a
-consumer's stop puts both in step (:meth:`Paired.settle`). Every other
-cache (a batch's, a recurrent or sliding-window layer of either model,
-whose rollback may restore) drops the drafted positions at once, and the
-verification feeds the draft model its tokens with the target's.
+consumer's stop puts both in step (:meth:`Paired.settle`). A batch keeps
+them too where every layer of the draft model trims per row (attention
+with no window: :class:`DraftRows`, its rows rolled back apart from the
+target's). Every other cache (a recurrent or sliding-window layer of
+either model, whose rollback may restore; a batch's draft model with such
+layers) drops the drafted positions at once, and the verification feeds
+the draft model its tokens with the target's.
 """
 
 from __future__ import annotations
@@ -230,6 +233,124 @@ class Paired:
         target's alone)."""
         return len(cache) == self.target_entries + 1
 
+    def target_only(self, inputs: mx.array, cache: List[Any]) -> mx.array:
+        """The target's forward alone on ``cache`` (its draft model holds
+        these inputs already: :class:`DraftRows`); the draft model's kept
+        logits leave."""
+        self._last.pop(cache[-1], None)
+        return self.target(inputs, cache=cache[:-1])
+
+    def rows_apart(self) -> bool:
+        """Whether a batch's draft model rows can roll back apart from the
+        target's (:class:`DraftRows`): its every layer a ``KVCache`` (a
+        ``BatchKVCache`` in a batch) and no attention window."""
+        from mlx_lm.models.cache import KVCache
+
+        from .. import internals, rollback
+
+        found = rollback.layers(cache_list_of(self.draft))
+        return (bool(found) and all(type(c) is KVCache for c in found)
+                and not internals.windowed(self.draft))
+
+
+class DraftRows:
+    """A batch's draft model kept apart from its target
+    (:meth:`Paired.rows_apart`), so that it keeps the positions it drafted
+    as one sequence's does (:meth:`Paired.hold`), each row its own.
+
+    After a draft (:meth:`DraftModel.draft`), each row's draft model holds
+    ``ahead[i]`` past the target's committed tokens (the pending token and
+    the drafted ones it fed; every row as many) and the verification feeds
+    the target alone (:meth:`Paired.target_only`). Its commit
+    (:meth:`verified`) drops from each row the positions its emitted tokens
+    do not start with; the emitted tokens past them are the row's
+    ``lack``, which the next draft's first forward feeds before the pending
+    token. Rows lack different counts: that forward feeds them right-padded
+    and the padding leaves by a swap (:func:`~mlx_lm_suffix.rollback.
+    replay_rows`), as the drops do (:func:`~mlx_lm_suffix.rollback.drop_rows`),
+    so the draft model's rows keep their own :class:`~mlx_lm_suffix.
+    rollback.SlotOrder`. A verification that follows no draft feeds both
+    models and the draft model's rows drop what the target's drop. Any
+    other forward of the batch, and rows joining or read out, first put it
+    in step (:meth:`catch_up`). ``held``, in every method: the positions
+    each row of the target holds (its tokens so far)."""
+
+    def __init__(self) -> None:
+        from .. import rollback
+
+        self.order = rollback.SlotOrder()
+        #: Per row: the tokens the draft model holds past the target's
+        #: (None: none since the last draft's verification).
+        self.ahead: Optional[List[List[int]]] = None
+        #: Per row: the target's last tokens the draft model lacks.
+        self.lack: List[List[int]] = []
+
+    def add(self, n: int) -> None:
+        """``n`` rows joined, in step."""
+        self.order.rows += [None] * n
+        self.lack += [[] for _ in range(n)]
+
+    def keep(self, keep: List[int]) -> None:
+        self.order.keep(keep)
+        self.lack = [self.lack[i] for i in keep]
+        if self.ahead is not None:
+            self.ahead = [self.ahead[i] for i in keep]
+
+    def in_step(self) -> bool:
+        return self.ahead is None and not any(self.lack)
+
+    def drop_ahead(self, cache: List[Any], fed: int = 0) -> None:
+        """Drop the positions drafted and not verified, or (none drafted)
+        the last ``fed`` of every row: a verification's that fed both
+        models, undone whole."""
+        from .. import rollback
+
+        n = len(self.ahead[0]) if self.ahead else fed
+        for c in rollback.layers([cache[-1]]):
+            rollback.ROWS.trim(c, n)
+        self.ahead = None
+
+    def feed(self, model: nn.Module, cache: List[Any], tokens: List[List[int]],
+             held: Sequence[int]) -> mx.array:
+        """Feed row ``i`` of the draft model ``tokens[i]`` (``held[i]``
+        positions held after); the logits after each row's last."""
+        from .. import rollback
+
+        caches = list(cache[-1].caches)
+        if len({len(t) for t in tokens}) == 1:
+            return model(mx.array(tokens, mx.uint32), cache=caches)[:, -1]
+        return rollback.replay_rows(model, caches, tokens, self.order, held)
+
+    def catch_up(self, model: nn.Module, cache: List[Any], held: Sequence[int]) -> None:
+        """The draft model in step with the target: drafted positions
+        dropped, the tokens it lacks fed."""
+        self.drop_ahead(cache)
+        if any(self.lack):
+            lack, self.lack = self.lack, [[] for _ in self.lack]
+            self.feed(model, cache, lack, held)
+
+    def verified(self, cache: List[Any], fed: int, emitted: List[List[int]],
+                 held: Sequence[int]) -> None:
+        """After a verification ``fed`` wide whose rows emitted ``emitted``
+        (``held``: after them): drop what the draft model holds past them."""
+        from .. import rollback
+
+        caches = list(cache[-1].caches)
+        if self.ahead is None:  # (it fed the draft model with the target)
+            rollback.drop_rows(caches, [fed - len(e) for e in emitted], self.order, held)
+            return
+        kept = []
+        for ahead, e in zip(self.ahead, emitted):
+            n = 0
+            while n < min(len(ahead), len(e)) and ahead[n] == e[n]:
+                n += 1
+            kept.append(n)
+        rejected = [len(a) - n for a, n in zip(self.ahead, kept)]
+        self.lack = [e[n:] for e, n in zip(emitted, kept)]
+        self.ahead = None
+        rollback.drop_rows(caches, rejected, self.order,
+                           [h - len(x) for h, x in zip(held, self.lack)])
+
 
 class DraftModel:
     """A draft model as a source of a :class:`~mlx_lm_suffix.drafter.
@@ -267,25 +388,36 @@ class DraftModel:
             mx.eval([c.state for c in caches])
 
     def draft(self, paired: Paired, cache: List[Any], first: Optional[mx.array], steps: int,
-              contexts: Optional[List[List[int]]] = None) -> Tuple[List[List[int]], List[List[float]], float]:
+              contexts: Optional[List[List[int]]] = None, rows: Optional[DraftRows] = None,
+              held: Sequence[int] = ()) -> Tuple[List[List[int]], List[List[float]], float]:
         """``steps`` greedy draft tokens for every row of ``cache`` (a
         batch's, or one sequence's as a batch of one), and the draft model's
         probability of each; and the seconds it took. ``first``: each row's
         pending token (settled), or None (pipelined: the logits of the
         forward :class:`Paired` last ran on ``cache``; no drafts where it
         kept none). ``contexts``: each row's tokens so far, for the
-        :data:`Guide`."""
+        :data:`Guide`. ``rows``: a batch's draft model kept apart, which
+        keeps the drafted positions (``held``: each row's tokens so far)."""
         from .. import rollback
 
         tic = time.perf_counter()
         caches = list(cache[-1].caches)
-        lazy = paired.follows_lazily(cache)
-        saved = None if lazy else rollback.checkpoint(caches)
+        lazy = rows is None and paired.follows_lazily(cache)
+        saved = None if lazy or rows is not None else rollback.checkpoint(caches)
         fed = 0
+        if rows is not None:
+            rows.drop_ahead(cache)
         if first is None:
             logits = paired.last(cache)
             if logits is None:
                 return [], [], 0.0
+            if rows is not None and not rows.in_step():
+                raise RuntimeError("the draft model's cache is out of step with the model's")
+        elif rows is not None:
+            x = [lack + [t] for lack, t in zip(rows.lack, first.tolist())]
+            logits = rows.feed(self.model, cache, x, [h + 1 for h in held])
+            rows.lack = [[] for _ in rows.lack]
+            fed = 1
         else:
             missing = paired.missing(cache)
             x = first[:, None]
@@ -313,9 +445,11 @@ class DraftModel:
         out = mx.stack(tokens, axis=1), mx.stack(probs, axis=1)
         mx.eval(out, own)
         drafted, estimates = out[0].tolist(), out[1].tolist()
+        head = [[]] * len(drafted) if first is None else [[t] for t in first.tolist()]
         if lazy:
-            head = [] if first is None else first.tolist()
-            paired.hold(cache, head + drafted[0][: steps - 1])
+            paired.hold(cache, head[0] + drafted[0][: steps - 1])
+        elif rows is not None:
+            rows.ahead = [h + d[: steps - 1] for h, d in zip(head, drafted)]
         elif fed:
             rollback.drop(caches, saved, fed)
         return drafted, estimates, time.perf_counter() - tic
