@@ -154,12 +154,16 @@ def test_logprobs_equal_stock(stock, suffix):
 
 # ------------------------------------------------------------ logit_bias
 def test_logit_bias_outside_the_vocabulary_gets_400(stock, suffix, vocab):
-    """A ``logit_bias`` key that is no token id of the model (at or past its
-    logits' length, or negative) gets HTTP 400 naming it; stock crashes
-    (SIGSEGV) on the first. The largest id works as on stock, and the server
-    keeps serving stock's answers."""
+    """A ``logit_bias`` key that indexes no token of the model's logits (at
+    or past their length, or before minus it) gets HTTP 400 naming it;
+    stock crashes (SIGSEGV) on the first. The largest id works as on stock,
+    so do negative ids counted from the end (stock's indexing takes them
+    so), and the server keeps serving stock's answers."""
     probe = answer(chat(stock, PROBE))
-    for key in (vocab, vocab + 1000, -1, 2**40):
+    for key in (-1, -vocab):
+        bias = {"logit_bias": {str(key): 100}}
+        assert answer(chat(suffix, PROBE, **bias)) == answer(chat(stock, PROBE, **bias))
+    for key in (vocab, vocab + 1000, -vocab - 1, 2**40):
         body = {"messages": _messages(PROBE), "max_tokens": 4, "logit_bias": {str(key): 5}}
         status, reply = suffix.post("/v1/chat/completions", body)
         assert status == 400, (key, reply)

@@ -580,19 +580,19 @@ class Refused(BaseException):
 
 
 def check_logit_bias(bias: Any, size: Optional[int]) -> None:
-    """Raise :class:`RequestRefused` for a ``logit_bias`` key that is not a
-    token id of the model: negative, or at or past ``size`` (its logits'
-    length; None: not known yet). Stock indexes the logits with them
-    unchecked, which crashes the process. Keys that are not ints are left
-    to stock's validation."""
-    if not isinstance(bias, dict):
+    """Raise :class:`RequestRefused` for a ``logit_bias`` key that indexes
+    no token of the model's logits: at or past ``size`` (their length;
+    None: not known yet, nothing checked), or before ``-size``. Stock
+    indexes the logits with it unchecked, which crashes the process or
+    writes past them. A negative key from ``-size`` counts from the end, as
+    stock's indexing takes it (``-1``: the last id), so it is served as
+    stock serves it. Keys that are not ints are left to stock's validation."""
+    if not isinstance(bias, dict) or size is None:
         return
     for key in bias:
-        if isinstance(key, int) and (key < 0 or (size is not None and key >= size)):
-            ids = f"0 to {size - 1}" if size is not None else "0 or more"
-            raise RequestRefused(
-                f"logit_bias key {key} is not a token id of this model (its token ids are {ids})"
-            )
+        if isinstance(key, int) and not -size <= key < size:
+            raise RequestRefused(f"logit_bias key {key} is not a token id of this model "
+                                 f"(its token ids are 0 to {size - 1})")
 
 
 def wants_logprobs(handler: Any) -> bool:

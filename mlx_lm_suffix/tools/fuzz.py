@@ -567,7 +567,7 @@ def run_fuzz(
         if problem is not None:
             tally["findings"].append({"problem": problem, "shape": case.shape, "path": case.path,
                                       "headers": case.headers,
-                                      "body": case.body[:400].decode("utf-8", "replace")})
+                                      "body": case.body.decode("utf-8", "replace")})
             echo(f"fuzz: FINDING {problem} [{case.shape[:160]}]")
         if stock_failed(stock):
             tally["stock_failed"][stock.kind] = tally["stock_failed"].get(stock.kind, 0) + 1
@@ -586,7 +586,7 @@ def run_fuzz(
         if suffix.kind not in ("ok", "cut", "4xx") and not servers.healthy("suffix"):
             tally["findings"].append({"problem": "suffix server unhealthy after it",
                                       "shape": case.shape,
-                                      "body": case.body[:400].decode("utf-8", "replace")})
+                                      "body": case.body.decode("utf-8", "replace")})
             servers.restart("suffix")
         if tally["sent"] % 10 == 1:
             sample_rss()
