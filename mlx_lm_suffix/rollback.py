@@ -523,7 +523,8 @@ def replay_rows(model: Any, cache: List[Any], tokens: Sequence[Sequence[int]],
     processing feeds uneven chunks: ``prepare``, forward, ``finalize``).
     With ``order`` (and ``held``, as for :func:`undo_rows`) the padding
     leaves the ``BatchKVCache`` layers by a swap, not ``finalize``'s roll.
-    Returns the logits after each row's last token (lazy)."""
+    Returns the model's output (its logits, lazy: each row's last token's
+    at its own length)."""
     lengths = [len(t) for t in tokens]
     width = max(lengths)
     padding = [width - n for n in lengths]
@@ -543,7 +544,7 @@ def replay_rows(model: Any, cache: List[Any], tokens: Sequence[Sequence[int]],
                 kind.finalize(c)
         if swap:
             order.swapped(padding, held)
-    return logits[mx.arange(len(lengths)), mx.array(lengths) - 1]
+    return logits
 
 
 def kv_rows(cache: List[Any]) -> List[Any]:

@@ -319,7 +319,8 @@ class DraftRows:
         caches = list(cache[-1].caches)
         if len({len(t) for t in tokens}) == 1:
             return model(mx.array(tokens, mx.uint32), cache=caches)[:, -1]
-        return rollback.replay_rows(model, caches, tokens, self.order, held)
+        logits = rollback.replay_rows(model, caches, tokens, self.order, held)
+        return logits[mx.arange(len(tokens)), mx.array([len(t) for t in tokens]) - 1]
 
     def catch_up(self, model: nn.Module, cache: List[Any], held: Sequence[int]) -> None:
         """The draft model in step with the target: drafted positions
