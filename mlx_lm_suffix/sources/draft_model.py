@@ -272,8 +272,9 @@ class DraftRows:
     rollback.SlotOrder`. A verification that follows no draft feeds both
     models and the draft model's rows drop what the target's drop. Any
     other forward of the batch, and rows joining or read out, first put it
-    in step (:meth:`catch_up`). ``held``, in every method: the positions
-    each row of the target holds (its tokens so far)."""
+    in step (:meth:`catch_up`). ``held``, of :meth:`catch_up` and
+    :meth:`verified`: the positions each row of the target holds (its
+    tokens so far)."""
 
     def __init__(self) -> None:
         from .. import rollback
@@ -291,12 +292,14 @@ class DraftRows:
         self.lack += [[] for _ in range(n)]
 
     def keep(self, keep: List[int]) -> None:
+        """The batch's rows ``keep`` stay."""
         self.order.keep(keep)
         self.lack = [self.lack[i] for i in keep]
         if self.ahead is not None:
             self.ahead = [self.ahead[i] for i in keep]
 
     def in_step(self) -> bool:
+        """Whether every row holds what the target's holds, no more, no less."""
         return self.ahead is None and not any(self.lack)
 
     def drop_ahead(self, cache: List[Any], fed: int = 0) -> None:
