@@ -69,6 +69,16 @@ def cache_list_of(model: Any) -> List[Any]:
     return make_prompt_cache(model)
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many first tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def vocabulary_problem(target: Any, draft: Any) -> Optional[str]:
     """Why ``draft`` cannot draft for ``target``: their vocabularies
     (``args.vocab_size``) differ; None where they match or either names
@@ -134,11 +144,7 @@ class Paired:
             if not missing:
                 return inputs
             return mx.concatenate([mx.array([missing], inputs.dtype), inputs], axis=1)
-        held = 0
-        for a, b in zip(ahead, expected or ()):
-            if a != b:
-                break
-            held += 1
+        held = _common_prefix(ahead, expected or ())
         rollback.trim(list(entry.caches), len(ahead) - held)
         if expected is not None and held >= len(expected) - 1:
             if held < len(expected):  # (its last input waits for the next forward)
@@ -343,12 +349,7 @@ class DraftRows:
         if self.ahead is None:  # (it fed the draft model with the target)
             rollback.drop_rows(caches, [fed - len(e) for e in emitted], self.order, held)
             return
-        kept = []
-        for ahead, e in zip(self.ahead, emitted):
-            n = 0
-            while n < min(len(ahead), len(e)) and ahead[n] == e[n]:
-                n += 1
-            kept.append(n)
+        kept = [_common_prefix(a, e) for a, e in zip(self.ahead, emitted)]
         rejected = [len(a) - n for a, n in zip(self.ahead, kept)]
         self.lack = [e[n:] for e, n in zip(emitted, kept)]
         self.ahead = None
