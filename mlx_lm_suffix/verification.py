@@ -24,9 +24,14 @@ def accepted_length(draft: Sequence[int], target: Sequence[int]) -> int:
             f"target needs {len(draft) + 1} tokens for a draft of {len(draft)}, "
             f"got {len(target)}"
         )
+    return common_prefix(draft, target)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many first tokens ``a`` and ``b`` share."""
     n = 0
-    for d, t in zip(draft, target):
-        if d != t:
+    for x, y in zip(a, b):
+        if x != y:
             break
         n += 1
     return n

@@ -55,6 +55,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..internals import Attached
+from ..verification import common_prefix
 
 #: ``guide(context) -> (token, probability) or None``: the token a draft
 #: takes after ``context`` (the tokens before it) and its estimate, else the
@@ -67,16 +68,6 @@ def cache_list_of(model: Any) -> List[Any]:
     from mlx_lm.models.cache import make_prompt_cache
 
     return make_prompt_cache(model)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many first tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def vocabulary_problem(target: Any, draft: Any) -> Optional[str]:
@@ -144,7 +135,7 @@ class Paired:
             if not missing:
                 return inputs
             return mx.concatenate([mx.array([missing], inputs.dtype), inputs], axis=1)
-        held = _common_prefix(ahead, expected or ())
+        held = common_prefix(ahead, expected or ())
         rollback.trim(list(entry.caches), len(ahead) - held)
         if expected is not None and held >= len(expected) - 1:
             if held < len(expected):  # (its last input waits for the next forward)
@@ -349,7 +340,7 @@ class DraftRows:
         if self.ahead is None:  # (it fed the draft model with the target)
             rollback.drop_rows(caches, [fed - len(e) for e in emitted], self.order, held)
             return
-        kept = [_common_prefix(a, e) for a, e in zip(self.ahead, emitted)]
+        kept = [common_prefix(a, e) for a, e in zip(self.ahead, emitted)]
         rejected = [len(a) - n for a, n in zip(self.ahead, kept)]
         self.lack = [e[n:] for e, n in zip(emitted, kept)]
         self.ahead = None
