@@ -4,11 +4,13 @@ real ``mlx_lm.server`` goes through it in test_server.py and the tools'
 tests."""
 
 import signal
+import socket
 import sys
 import textwrap
 
 import pytest
 
+from mlx_lm_suffix.tools import launcher
 from mlx_lm_suffix.tools.launcher import ServerError, ServerProcess
 
 # Serves /health (200) on the --port it is given; prints its argv and $GREETING.
@@ -77,3 +79,22 @@ def test_sigint_reaches_the_server_where_this_process_ignores_it():
     finally:
         signal.signal(signal.SIGINT, previous)
     assert server.stop(signal.SIGINT, timeout=10) == -signal.SIGINT  # not killed
+
+
+def test_ranks_get_a_run_of_free_ports(monkeypatch):
+    """mlx.launch's ring binds --starting-port plus each rank: every port of
+    the run must be free, not only the first (a taken second port failed CI
+    with "[ring] Couldn't bind socket")."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    # The first run tried has its second port taken; the next is free.
+    starts = iter([port - 1, port + 1])
+    monkeypatch.setattr(launcher.random, "randrange", lambda *_: next(starts))
+    try:
+        command = launcher.distributed_command(2)
+    finally:
+        taken.close()
+    start = int(command[command.index("--starting-port") + 1])
+    assert start == port + 1
