@@ -9,7 +9,6 @@ responses' ``usage`` and the stats endpoint's counters.
 
 import http.client
 import json
-import socket
 import sys
 import time
 import urllib.error
@@ -23,6 +22,7 @@ import pytest
 
 from mlx_lm_suffix.metrics import log_line, samples, total
 from mlx_lm_suffix.tools import bench, workloads
+from mlx_lm_suffix.tools.launcher import free_ports
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_server import Server, _messages  # noqa: E402
@@ -217,16 +217,10 @@ def test_log_line_over_an_interval():
     assert log_line(after, after, 2.0) is None  # no forward: no line
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_private_scope_hides_traffic_but_the_operator_port(tiny_model_path, logs):
     """--suffix-cache-scope user: GET /metrics shows any caller the
     settings only; --suffix-metrics-port shows the operator everything."""
-    port = _free_port()
+    port = free_ports()
     server = Server(tiny_model_path, "--draft", "suffix", "--suffix-cache-scope", "user",
                     "--suffix-metrics-port", str(port), log_dir=logs, name="private")
     try:

@@ -45,32 +45,26 @@ def distributed_command(ranks: int = 2, backend: str = "ring", server: Sequence[
     mlx.launch passes no signal on, so a stop signals every rank, as Ctrl-C
     in a terminal does."""
     launch = str(Path(sys.executable).with_name("mlx.launch"))
-    start = _free_ports(ranks)
+    start = free_ports(ranks)
     return [
         *(launch, "--backend", backend, "-n", str(ranks), "--hosts", HOST),
         *("--starting-port", str(start), "--", *server),
     ]
 
 
-def _free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the server binds it moments later)."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-# Where _free_ports looks: below the ephemeral ports that the system hands out
+# Where free_ports looks: below the ephemeral ports that the system hands out
 # to outgoing connections (32768 up on Linux, 49152 up on macOS), so that no
-# client socket takes one of them between the check and the ranks' binds.
-_RANK_PORTS = range(20000, 32768)
+# client socket takes one of them between the check and the server's binds.
+_PORTS = range(20000, 32768)
 
 
-def _free_ports(count: int, tries: int = 200) -> int:
+def free_ports(count: int = 1, tries: int = 200) -> int:
     """The first of ``count`` consecutive TCP ports of 127.0.0.1 that are
-    all free now: mlx.launch's ring gives rank ``i`` ``--starting-port``
-    plus ``i``. Raises ``OSError`` if ``tries`` random runs all had one taken."""
+    all free now (a server binds them moments later; mlx.launch's ring
+    gives rank ``i`` ``--starting-port`` plus ``i``). Raises ``OSError``
+    if ``tries`` random runs all had one taken."""
     for _ in range(tries):
-        start = random.randrange(_RANK_PORTS.start, _RANK_PORTS.stop - count + 1)
+        start = random.randrange(_PORTS.start, _PORTS.stop - count + 1)
         with contextlib.ExitStack() as held:
             try:
                 for port in range(start, start + count):
@@ -78,7 +72,7 @@ def _free_ports(count: int, tries: int = 200) -> int:
             except OSError:
                 continue
         return start
-    raise OSError(f"no {count} consecutive free ports in {_RANK_PORTS} after {tries} tries")
+    raise OSError(f"no {count} consecutive free ports in {_PORTS} after {tries} tries")
 
 
 @contextlib.contextmanager
@@ -133,7 +127,7 @@ class ServerProcess:
         process_group: bool = False,
     ):
         args = [str(a) for a in args]
-        self.port = _free_port()
+        self.port = free_ports()
         self.url = f"http://{HOST}:{self.port}"
         self._suffix = "--draft" in args
         self.log_path = Path(log) if log is not None else None
