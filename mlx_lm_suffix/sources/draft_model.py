@@ -316,10 +316,7 @@ class DraftRows:
         positions held after); the logits after each row's last."""
         from .. import rollback
 
-        caches = list(cache[-1].caches)
-        if len({len(t) for t in tokens}) == 1:
-            return model(mx.array(tokens, mx.uint32), cache=caches)[:, -1]
-        logits = rollback.replay_rows(model, caches, tokens, self.order, held)
+        logits = rollback.replay_rows(model, list(cache[-1].caches), tokens, self.order, held)
         return logits[mx.arange(len(tokens)), mx.array([len(t) for t in tokens]) - 1]
 
     def catch_up(self, model: nn.Module, cache: List[Any], held: Sequence[int]) -> None:
